@@ -1373,9 +1373,9 @@ async def test_a_dispatch_whose_running_write_nats_refused_is_one_warning_and_ru
         await batcher.answer(again)
         await wait_state(js, job_id, JobState.SUCCEEDED)
     failures = [e for e in logs if e["event"] == "dispatch_failed"]
-    assert failures
-    for entry in failures:
-        assert entry["log_level"] == "warning"
+    assert failures[0]["log_level"] == "warning"
+    for entry in failures:  # any more within the interval are held back, at debug (RepeatedLines)
+        assert entry["log_level"] in ("warning", "debug")
         assert "exc_info" not in entry
         assert entry["error"].startswith("cannot update the job record: nats: no response from stream")
 

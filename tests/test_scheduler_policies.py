@@ -1210,6 +1210,30 @@ async def test_execution_timeout_with_retry_policy_runs_it_again(start: Start, c
     assert letter.job_id == doomed
 
 
+async def test_a_model_that_times_out_every_job_says_so_once_not_a_line_a_job(start: Start, config: Config) -> None:
+    """Eight jobs whose batcher never answers, each past its execution timeout: a `job_timed_out`
+    warning per job (a model that hangs at 100 jobs a second wrote 100 a second). Now the first
+    names its job and the rest within the interval are at debug, each still there."""
+    with capture_logs() as logs:  # from the start: a job's logger is bound at its dispatch
+        h = await start(tune(config, timeout_action="fail"))
+        batcher = await h.batcher(credits=8)
+        jobs = {await enqueue(h.nc, h.kv, execution_timeout_s=0.2) for _ in range(8)}
+        assert {(await batcher.next_order()).job_id for _ in jobs} == jobs  # all run, none answered
+        for job_id in jobs:
+            assert (await wait_state(h.js, job_id, JobState.TIMED_OUT)).error is not None
+    said = [e for e in logs if e["event"] == "job_timed_out" and e["log_level"] != "debug"]
+    assert len(said) == 1, said
+    assert (said[0]["log_level"], said[0]["job_id"] in jobs, said[0]["model"], said[0]["action"]) == (
+        "warning",
+        True,
+        MODEL,
+        "fail",
+    )
+    assert "more_since_last" not in said[0]
+    held = {e["job_id"] for e in logs if e["event"] == "job_timed_out" and e["log_level"] == "debug"}
+    assert held == jobs - {said[0]["job_id"]}
+
+
 # --- results stored for attempts no record names ------------------------------------------------
 
 

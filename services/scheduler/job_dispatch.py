@@ -22,7 +22,7 @@ from asyncinfer.config import Config
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES, JobStore, UnreadableJob, UnreadableOnce
 from asyncinfer.jobs import JobError, JobRecord, JobState, WorkEnvelope
-from asyncinfer.log_throttle import Throttle
+from asyncinfer.log_throttle import RepeatedLines, Throttle
 from asyncinfer.nats import Msg
 from asyncinfer.tracing import AttributeValue, Tracing, trace_id_of
 from services.scheduler import version_routing
@@ -119,6 +119,9 @@ class JobDispatch:
         self._claim_check = claim_check
         self._on_timeout = on_timeout
         self._redelivered_lines = Throttle(REDELIVERED_LOG_INTERVAL_S)
+        # A dispatch's failure lines, once per interval per model and kind (the rest at debug): a
+        # NATS outage or a lost input fails every job pulled meanwhile.
+        self._failure_lines = RepeatedLines()
         self._unreadable = UnreadableOnce("dispatch")
 
     async def dispatch(self, msg: Msg, session: BatcherSession) -> bool:
@@ -138,10 +141,10 @@ class JobDispatch:
                 return await self._traced_dispatch(msg, envelope, session, job_log)
             return await self._dispatch(msg, envelope, session, job_log)
         except Exception as exc:
-            await self._failed(msg, job_log, exc)
+            await self._failed(msg, envelope.model_name, job_log, exc)
             return False
 
-    async def _failed(self, msg: Msg, job_log: JobLog, exc: Exception) -> None:
+    async def _failed(self, msg: Msg, model_name: str, job_log: JobLog, exc: Exception) -> None:
         """A dispatch that raised: its job goes back to the queue. The caller says whether its
         credit was spent (an order sent ahead of its write: _run)."""
         # NATS trouble mid-way: the message comes back after a pause, and the record (if
@@ -159,12 +162,22 @@ class JobDispatch:
             _refund_choice()  # unrun: not its tenant's turn
             await self._settlement.put_back(msg, UNREADABLE_RETRY_DELAY_S)
             return
+        # Once per interval per model and kind of failure (the rest at debug): NATS away fails
+        # every dispatch, and a bug may fail every job's.
         if isinstance(exc, Unavailable):
-            job_log.warning("dispatch_failed", error=exc.message)
+            self._failure_lines.say(
+                job_log, "warning", "dispatch_failed", kind=(model_name, exc.reason), error=exc.message
+            )
         elif isinstance(exc, NATS_FAILURES):
-            job_log.warning("dispatch_failed", error=f"{type(exc).__name__}: {exc}")
+            self._failure_lines.say(
+                job_log,
+                "warning",
+                "dispatch_failed",
+                kind=(model_name, type(exc)),
+                error=f"{type(exc).__name__}: {exc}",
+            )
         else:
-            job_log.error("dispatch_failed", exc_info=exc)
+            self._failure_lines.say(job_log, "error", "dispatch_failed", kind=(model_name, type(exc)), exc_info=exc)
         if isinstance(exc, (Unavailable, *NATS_FAILURES)):
             # Unrun: NATS is met only before the order is held here (an order sent ahead of
             # a write that failed was cancelled, its answer dropped), so choosing it again
@@ -216,11 +229,15 @@ class JobDispatch:
             return record
         age_s = time.time() - envelope.create_time
         if age_s < self._config.scheduler.orphan_message_grace_s:
-            job_log.info("job_record_not_written_yet", age_s=round(age_s, 3))
+            self._failure_lines.say(
+                job_log, "info", "job_record_not_written_yet", kind=envelope.model_name, age_s=round(age_s, 3)
+            )
             _refund_choice()  # unrun, waiting for its gateway's write: not its tenant's turn
             await self._settlement.put_back(msg, DISPATCH_RETRY_DELAY_S)
         else:
-            job_log.warning("orphan_work_message_dropped", age_s=round(age_s, 1))
+            self._failure_lines.say(
+                job_log, "warning", "orphan_work_message_dropped", kind=envelope.model_name, age_s=round(age_s, 1)
+            )
             await quietly(msg.term())
         return None
 
@@ -242,7 +259,14 @@ class JobDispatch:
             routed = version_routing.route(self._batchers, self._config, envelope.model_name, version, session)
             if isinstance(routed, version_routing.Waiting):
                 if _first_delivery(msg):
-                    job_log.info("job_waits_for_version", version=routed.version, reason=routed.reason)
+                    self._failure_lines.say(
+                        job_log,
+                        "info",
+                        "job_waits_for_version",
+                        kind=(envelope.model_name, routed.version, routed.reason),
+                        version=routed.version,
+                        reason=routed.reason,
+                    )
                 _refund_choice()
                 await self._settlement.put_back(msg, routed.delay_s)
                 return False
@@ -329,7 +353,7 @@ class JobDispatch:
                 session.send(CancelOrder(job_id=order.job_id, attempt=order.attempt))
             self._leases.expected(order.job_id, order.attempt, held=held)
         if failure is not None:
-            await self._failed(msg, job_log, failure)
+            await self._failed(msg, envelope.model_name, job_log, failure)
         return True
 
     def _sends_early(
@@ -377,7 +401,9 @@ class JobDispatch:
         if latest.state != JobState.RUNNING or not written:
             if written:
                 self._metrics.job_transition(latest)
-            job_log.info("job_not_runnable", state=latest.state.value)
+            self._failure_lines.say(
+                job_log, "info", "job_not_runnable", kind=(latest.model_name, latest.state), state=latest.state.value
+            )
             await msg.ack()
             return False
         job_log = job_log.bind(attempt=latest.attempt)
@@ -391,7 +417,9 @@ class JobDispatch:
             )
         if record.state == JobState.RUNNING:
             self._metrics.lease_expiries.labels(model=latest.model_name).inc()
-            job_log.warning("lease_expired", previous_attempt=record.attempt)
+            self._failure_lines.say(
+                job_log, "warning", "lease_expired", kind=latest.model_name, previous_attempt=record.attempt
+            )
         if envelope.input_ref is not None and self._claim_check is not None and not self._batcher_reads(session):
             if (leave_round := INPUT_READ_STARTED.get()) is not None:
                 leave_round()  # its round goes on without waiting for the read (dispatcher.py)
@@ -416,7 +444,9 @@ class JobDispatch:
             # between): the order is cancelled (by _run) and the job goes straight back, rather
             # than a second order on the credit the first one spent. Its attempt and its choice
             # are refunded: its order's answer is dropped, so it did not run for its tenant.
-            job_log.warning("dispatch_attempt_mismatch", sent_attempt=sent.attempt)
+            self._failure_lines.say(
+                job_log, "warning", "dispatch_attempt_mismatch", kind=latest.model_name, sent_attempt=sent.attempt
+            )
             _refund_choice()
             await self._settlement.requeue(latest, msg, job_log, job_errors.dropped_unrun(), delay_s=0.0, refund=True)
             return False
@@ -437,7 +467,9 @@ class JobDispatch:
         )
         superseded = self._leases.hold(job, self._on_timeout)
         if superseded is not None:
-            job_log.warning("attempt_superseded", old_attempt=superseded.attempt)
+            self._failure_lines.say(
+                job_log, "warning", "attempt_superseded", kind=envelope.model_name, old_attempt=superseded.attempt
+            )
         if self._leases.take_pending_cancel(envelope.job_id):
             session.send(CancelOrder(job_id=job.job_id, attempt=job.attempt))
         # At debug: a line per job at info was most of the scheduler's log; jobs_summary counts them.
@@ -447,7 +479,14 @@ class JobDispatch:
     async def _input_unusable(self, running: JobRecord, msg: Msg, job_log: JobLog, error: JobError) -> None:
         """The claim-checked input cannot be read: retried later when that is NATS trouble, the
         job failed when the input is gone or unreadable for good."""
-        job_log.warning("job_input_unusable", reason=error.reason, retriable=error.retriable)
+        self._failure_lines.say(
+            job_log,
+            "warning",
+            "job_input_unusable",
+            kind=(running.model_name, error.reason),
+            reason=error.reason,
+            retriable=error.retriable,
+        )
         if error.retriable:  # NATS trouble: the job goes back unrun, its choice refunded
             _refund_choice()
             await self._settlement.requeue(running, msg, job_log, error, delay_s=DISPATCH_RETRY_DELAY_S, refund=True)

@@ -25,6 +25,7 @@ from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, Unavailable
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord, JobState, job_key
+from asyncinfer.log_throttle import RepeatedLines
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg
 from asyncinfer.queues import CancelNotice
@@ -78,6 +79,10 @@ class JobFlow:
         self._queued_records = QueuedRecords() if queued_records is None else queued_records
         self._tasks = OwnedTasks("scheduler-jobs")
         self._closing = False
+        # A line said of each of many jobs (a NATS outage while results come in, a file batch's
+        # thousand jobs cancelled, a batcher answering late): once per interval per model and kind,
+        # the rest at debug.
+        self._repeated_lines = RepeatedLines()
         # A cancelled job's message deleted while queued (the dispatchers forget it was put back).
         # (model, job ID) of a cancelled job whose work message was deleted.
         self.on_message_dropped: Callable[[str, str], None] = lambda _model, _job_id: None
@@ -158,8 +163,11 @@ class JobFlow:
                 self._stale_results.delete(abandoned.tenant, result.job_id, own_result, why="abandoned")
             return
         held = self._leases.jobs.get(result.job_id)
-        log.warning(
+        self._repeated_lines.say(
+            log,
+            "warning",
             "stale_result_discarded",
+            kind=session.batcher_id,
             job_id=result.job_id,
             attempt=result.attempt,
             attempt_in_flight=held.attempt if held is not None else None,
@@ -187,7 +195,14 @@ class JobFlow:
                     tries += 1
                     if tries > 1:
                         if self._closing:
-                            job.log.warning("result_not_stored", reason="the scheduler is stopping", tries=tries - 1)
+                            self._repeated_lines.say(
+                                job.log,
+                                "warning",
+                                "result_not_stored",
+                                kind=(job.model_name, "stopping"),
+                                reason="the scheduler is stopping",
+                                tries=tries - 1,
+                            )
                             return
                         await self._keep_message(job)
                     try:
@@ -195,18 +210,30 @@ class JobFlow:
                     except Unavailable as exc:
                         # NATS away (an outage, a failover) or its store full: expected, said in a line.
                         if tries == 1:
-                            job.log.warning(
-                                "result_not_stored_yet", error=exc.message, retrying_for_s=RESULT_STORE_RETRY_S
+                            self._repeated_lines.say(
+                                job.log,
+                                "warning",
+                                "result_not_stored_yet",
+                                kind=(job.model_name, exc.reason),
+                                error=exc.message,
+                                retrying_for_s=RESULT_STORE_RETRY_S,
                             )
                         raise
         except Unavailable as exc:
-            job.log.warning("result_not_stored", error=exc.message, tries=tries)
+            self._repeated_lines.say(
+                job.log,
+                "warning",
+                "result_not_stored",
+                kind=(job.model_name, exc.reason),
+                error=exc.message,
+                tries=tries,
+            )
             return
         except Exception:
             job.log.exception("result_not_stored")  # AckWait's recovery; a traceback, being unexpected
             return
         if tries > 1:
-            job.log.info("result_stored", tries=tries)
+            self._repeated_lines.say(job.log, "info", "result_stored", kind=job.model_name, tries=tries)
 
     async def _settle(self, job: InFlightJob, result: WorkResult) -> None:
         if self._tracing.enabled and job.record.traceparent:
@@ -307,7 +334,9 @@ class JobFlow:
             self._leases.remember_cancel(notice.job_id)
             self._tasks.spawn(self._drop_cancelled_message(notice))
             return
-        job.log.info("job_cancel_sent", batcher_id=job.session.batcher_id)
+        self._repeated_lines.say(
+            job.log, "info", "job_cancel_sent", kind=job.model_name, batcher_id=job.session.batcher_id
+        )
         if not job.session.closed:
             job.session.send(CancelOrder(job_id=job.job_id, attempt=job.attempt))
 
@@ -324,7 +353,14 @@ class JobFlow:
                 await self._store.drop_work_message(record)
                 self.on_message_dropped(notice.model_name, notice.job_id)
         except AsyncInferError as exc:  # a dispatch drops it later, as before
-            log.info("cancelled_message_not_dropped", job_id=notice.job_id, error=exc.message)
+            self._repeated_lines.say(
+                log,
+                "info",
+                "cancelled_message_not_dropped",
+                kind=(notice.model_name, exc.reason),
+                job_id=notice.job_id,
+                error=exc.message,
+            )
 
     # --- leases, rates and shutdown ---------------------------------------------------------------
 

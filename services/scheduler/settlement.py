@@ -72,8 +72,8 @@ class Settlement:
         self._claim_check = claim_check
         self._stale_results = stale_results
         self._rng = rng
-        # A job's failure, requeue and dead letter, at most once per interval per model and reason
-        # (the rest at debug): a model that always fails fails every job.
+        # A job's failure, requeue, dead letter, timeout and hand-back, at most once per interval per
+        # model and reason (the rest at debug): a model that always fails fails every job.
         self._failure_lines = RepeatedLines()
         # Told of every message put back (nak'ed), its delay and whether that is the job's backoff,
         # just before its nak: waiting again, though the consumer counts it delivered until it is
@@ -182,7 +182,15 @@ class Settlement:
         match decision:
             case lifecycle.PutBack(delay_s=delay_s, refund=refund, error=error):
                 if in_a_row > 1:
-                    job.log.info("job_handed_back_again", in_a_row=in_a_row, delay_s=delay_s, counted=not refund)
+                    self._failure_lines.say(
+                        job.log,
+                        "info",
+                        "job_handed_back_again",
+                        kind=(job.model_name, refund),
+                        in_a_row=in_a_row,
+                        delay_s=delay_s,
+                        counted=not refund,
+                    )
                 if not refund:
                     self._metrics.retries.labels(model=job.model_name, reason=error.reason).inc()
                 await self.requeue(
@@ -242,7 +250,14 @@ class Settlement:
         if latest.state.is_terminal:
             await msg.ack()
         else:
-            job_log.warning("result_discarded", state=latest.state.value, attempt_in_record=latest.attempt)
+            self._failure_lines.say(
+                job_log,
+                "warning",
+                "result_discarded",
+                kind=(latest.model_name, latest.state),
+                state=latest.state.value,
+                attempt_in_record=latest.attempt,
+            )
 
     async def dead_letter(
         self,
@@ -352,7 +367,14 @@ class Settlement:
             if latest is not None and latest.state.is_terminal:
                 await quietly(msg.ack())
             elif latest is not None and latest.attempt != running.attempt:
-                job_log.warning("put_back_refused", reason=error.reason, attempt_in_record=latest.attempt)
+                self._failure_lines.say(
+                    job_log,
+                    "warning",
+                    "put_back_refused",
+                    kind=(latest.model_name, error.reason),
+                    reason=error.reason,
+                    attempt_in_record=latest.attempt,
+                )
             else:
                 await self.put_back(msg, delay_s, backoff=True)
 
@@ -376,15 +398,23 @@ class Settlement:
         error = job_errors.execution_timeout(
             job.attempt, job.timeout_s or 0.0, retriable=action == "retry", backstop_s=backstop_s, where=where
         )
-        job.log.warning(
-            "job_timed_out", timeout_s=job.timeout_s, action=action, by="batcher" if result is not None else "scheduler"
+        self._failure_lines.say(
+            job.log,
+            "warning",
+            "job_timed_out",
+            kind=(job.model_name, action),
+            timeout_s=job.timeout_s,
+            action=action,
+            by="batcher" if result is not None else "scheduler",
         )
         try:
             await self.failed_attempt(job, error, final_state=JobState.TIMED_OUT, result=result)
         except Unavailable as exc:
             # NATS away (a leader election): expected, and AckWait brings the message back. A line,
             # not a traceback per job drawn on the event loop (see JobDispatch.dispatch).
-            job.log.warning("timeout_not_stored", error=exc.message)
+            self._failure_lines.say(
+                job.log, "warning", "timeout_not_stored", kind=(job.model_name, exc.reason), error=exc.message
+            )
         except Exception:
             job.log.exception("timeout_not_stored")
 
