@@ -841,3 +841,28 @@ async def test_a_version_added_to_a_stopped_engine_is_refused_and_nothing_of_it_
     assert refused.value.reason == "BATCHER_SHUTTING_DOWN"
     assert engine.versions("demo") == ["1"]
     assert not engine.takes_models
+
+
+async def test_a_model_that_times_out_every_batch_says_so_once_not_a_line_a_batch(
+    make_engine: Callable[..., Any],
+) -> None:
+    """Five batches of a model that hangs, computing side by side, each past its items' execution
+    timeout: a `batch_timed_out` warning per batch (a model that hangs at 100 batches a second wrote
+    100 a second). Now the first says it whole, and the rest within the interval are at debug."""
+    gate = threading.Event()
+    model = RecordingAffine(gate)
+    engine = await make_engine(model, max_batch_size=1, max_queue_delay_ms=0.0, max_inflight_batches=5)
+    with capture_logs() as logs:
+        items = [engine.submit("demo", rows(float(n)), run_timeout_s=0.2, credited=True) for n in range(5)]
+        try:
+            for item in items:
+                with pytest.raises(RunTimedOut):
+                    await asyncio.wait_for(item.future, 5.0)
+        finally:
+            gate.set()  # the model's threads end
+    said = [e for e in logs if e["event"] == "batch_timed_out" and e["log_level"] != "debug"]
+    assert len(said) == 1, said
+    assert (said[0]["log_level"], said[0]["model"], said[0]["items"]) == ("warning", "demo", 1)
+    assert "more_since_last" not in said[0]
+    held = [e for e in logs if e["event"] == "batch_timed_out" and e["log_level"] == "debug"]
+    assert len(held) == 4, "each batch's line is still there at debug"

@@ -726,3 +726,28 @@ async def test_a_model_that_always_fails_logs_its_first_failure_then_holds_back_
     assert FAILING_MODEL_MESSAGE in first_batch["error"]
     held = [e["job_id"] for e in logs if e["event"] == "work_order_failed" and e["log_level"] == "debug"]
     assert held == jobs[1:], "each job's line is still there at debug"
+
+
+async def test_orders_refused_alike_log_the_first_refusal_then_hold_back_the_rest(
+    scheduler: tuple[FakeScheduler, int],
+) -> None:
+    """Twelve orders whose input the model refuses (a client sending a wrong shape, at the job
+    rate): a `work_order_rejected` info line per order. Now the first says it, naming its job; the
+    rest within the interval are at debug only, each still there."""
+    fake, port = scheduler
+    batcher = BatcherApp(Config().replace(batcher=batcher_under_test(port), models=[DEMO_MODEL]))
+    jobs = [f"refused-{n}" for n in range(12)]
+    with structlog.testing.capture_logs() as logs:
+        await batcher.start()
+        try:
+            connection = await fake.next_connection(1)
+            for job_id in jobs:
+                connection.send(order(job_id, np.zeros((1, 3), dtype=np.float32)))  # the demo's is 4 wide
+                assert (await connection.result(job_id)).error.reason == "INVALID_ARGUMENT"
+        finally:
+            await batcher.stop(grace_s=1.0)
+    said = [e for e in logs if e["event"] == "work_order_rejected" and e["log_level"] != "debug"]
+    assert len(said) == 1, said
+    assert (said[0]["log_level"], said[0]["job_id"], said[0]["reason"]) == ("info", jobs[0], "INVALID_ARGUMENT")
+    held = [e["job_id"] for e in logs if e["event"] == "work_order_rejected" and e["log_level"] == "debug"]
+    assert held == jobs[1:]

@@ -123,7 +123,7 @@ class BatchRunner:
             fail(batch, Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON))
             raise
         except Exception as exc:  # assembling failed: not a fault of any one item
-            log.exception("batch_failed_unexpectedly", model=self.name, items=len(batch))
+            self._unexpected_failure(exc, batch)
             fail(batch, ModelError(f"model {self.name!r} failed: {type(exc).__name__}: {exc}"))
             return
         finally:
@@ -272,10 +272,23 @@ class BatchRunner:
         except Exception as exc:
             return await self._isolate_async(batch, self._model_error(exc, batch), times)
 
+    def _unexpected_failure(self, exc: BaseException, batch: list[PendingItem]) -> None:
+        """A bug's traceback, the first of its kind at once, then one per interval (the rest at
+        debug): a bug that fires per batch wrote a traceback per batch, rendered on the event loop."""
+        self._failed_batches.say(
+            log,
+            "error",
+            "batch_failed_unexpectedly",
+            kind=type(exc).__name__,
+            model=self.name,
+            items=len(batch),
+            exc_info=exc,
+        )
+
     def _model_error(self, exc: BaseException, batch: list[PendingItem]) -> AsyncInferError:
         if isinstance(exc, AsyncInferError):
             return exc
-        log.exception("batch_failed_unexpectedly", model=self.name, items=len(batch))
+        self._unexpected_failure(exc, batch)
         return ModelError(f"model {self.name!r} failed: {type(exc).__name__}: {exc}")
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from asyncinfer.log_throttle import RepeatedLines
 from services.batcher.batch_compute import Computed, run_timed_out
 from services.batcher.items import PendingItem
 
@@ -82,6 +83,8 @@ class BatchTimeouts:
         self._running = running
         self._hung = hung
         self._on_overran = on_overran
+        # Once per interval (the rest at debug): a model that hangs times out every batch.
+        self._timed_out_lines = RepeatedLines()
 
     def time_out_items(self, task: asyncio.Task[None], when: float) -> None:
         """Answers the batch's items whose execution timeouts, counted from its start, ended by
@@ -111,7 +114,15 @@ class BatchTimeouts:
             else:
                 later.append(ends)
         if ended:
-            log.warning("batch_timed_out", model=self.model, items=ended, running_s=round(now - running.started_at, 1))
+            self._timed_out_lines.say(
+                log,
+                "warning",
+                "batch_timed_out",
+                kind=self.model,
+                model=self.model,
+                items=ended,
+                running_s=round(now - running.started_at, 1),
+            )
         if later:
             next_at = min(later)
             running.timer = loop.call_at(next_at, self.time_out_items, task, next_at)

@@ -78,8 +78,8 @@ class WorkSession:
         failed_orders: RepeatedLines | None = None,
     ) -> None:
         """`on_welcome`: called when the scheduler answers the hello (the stream is up).
-        `failed_orders`: the lines of failed orders, the batcher's own, so that a reconnect does not
-        start their interval again."""
+        `failed_orders`: the lines said of each of many orders (failed, rejected, handed back,
+        cancelled), the batcher's own, so that a reconnect does not start their interval again."""
         self._failed_orders = failed_orders or RepeatedLines()
         self._on_welcome = on_welcome
         self._claim_checks = claim_checks
@@ -287,7 +287,15 @@ class WorkSession:
             inputs = await claim_checks.read(order)
         except AsyncInferError as error:
             self._reading_done(order)
-            log.info("work_order_input_unreadable", reason=error.reason, error=error.message, **_about(order))
+            self._failed_orders.say(
+                log,
+                "info",
+                "work_order_input_unreadable",
+                kind=(order.model_name, error.reason),
+                reason=error.reason,
+                error=error.message,
+                **_about(order),
+            )
             self._send_result(order, error=error)
             self._top_up(order.model_name)
             return
@@ -297,7 +305,9 @@ class WorkSession:
         self._reading_done(order)
         if key in self._cancelled_while_reading:
             self._cancelled_while_reading.discard(key)
-            log.info("work_order_dropped_before_run", **_about(order))
+            self._failed_orders.say(
+                log, "info", "work_order_dropped_before_run", kind=order.model_name, **_about(order)
+            )
             self._send_result(order, error=Cancelled("cancelled before it ran"), dropped=True)
             self._top_up(order.model_name)
             return
@@ -337,10 +347,26 @@ class WorkSession:
                 item.trace = order.traceparent
         except AsyncInferError as error:
             if is_handed_back(error):  # it never ran: back to the queue with its attempt given back
-                log.info("work_order_handed_back", reason=error.reason, error=error.message, **_about(order))
+                self._failed_orders.say(
+                    log,
+                    "info",
+                    "work_order_handed_back",
+                    kind=(order.model_name, error.reason),
+                    reason=error.reason,
+                    error=error.message,
+                    **_about(order),
+                )
                 self._send_result(order, dropped=True)
             else:
-                log.info("work_order_rejected", reason=error.reason, error=error.message, **_about(order))
+                self._failed_orders.say(
+                    log,
+                    "info",
+                    "work_order_rejected",
+                    kind=(order.model_name, error.reason),
+                    reason=error.reason,
+                    error=error.message,
+                    **_about(order),
+                )
                 self._send_result(order, error=error)
             self._top_up(model_name)  # the credit it used bought no slot
             return None
@@ -371,7 +397,9 @@ class WorkSession:
             if item.progress is not None:
                 item.progress.close()  # its last report goes before the result
         if item.future.cancelled():
-            log.info("work_order_dropped_before_run", **_about(order))
+            self._failed_orders.say(
+                log, "info", "work_order_dropped_before_run", kind=order.model_name, **_about(order)
+            )
             self._send_result(order, error=Cancelled("cancelled before it ran"), dropped=True)
             return
         error = item.future.exception()
@@ -379,14 +407,29 @@ class WorkSession:
             # Unrun (the engine stops): answered as dropped, so that the scheduler puts it back
             # with its attempt given back. Left unanswered, the stream's end put it back as
             # its batcher lost, spending the attempt: a job of max_attempts 1 failed at a rollout.
-            log.info("work_order_abandoned_at_shutdown", started=item.started, **_about(order))
+            self._failed_orders.say(
+                log,
+                "info",
+                "work_order_abandoned_at_shutdown",
+                kind=order.model_name,
+                started=item.started,
+                **_about(order),
+            )
             # No error: one would count as the attempt's. One abandoned mid-batch (its grace ran
             # out) is given back too: left to the stream's end it was WORKER_LOST, its attempt
             # spent, so a job longer than the grace was dead-lettered by three Ctrl-Cs of `up`.
             self._send_result(order, dropped=True)
         elif isinstance(error, AsyncInferError) and is_out_of_reach(error):
             # Its model's Triton is out of reach: given back unrun, as a shutdown's (no error).
-            log.info("work_order_handed_back", reason=error.reason, started=item.started, **_about(order))
+            self._failed_orders.say(
+                log,
+                "info",
+                "work_order_handed_back",
+                kind=(order.model_name, error.reason),
+                reason=error.reason,
+                started=item.started,
+                **_about(order),
+            )
             self._send_result(order, dropped=True)
         elif isinstance(error, AsyncInferError):
             # The first of a model's failures, then one per interval (the rest at debug): a model
@@ -409,7 +452,14 @@ class WorkSession:
                 try:
                     stored = await self._claim_checks.store(order, outcome.outputs)
                 except AsyncInferError as store_error:
-                    log.warning("work_order_outputs_not_stored", error=store_error.message, **_about(order))
+                    self._failed_orders.say(
+                        log,
+                        "warning",
+                        "work_order_outputs_not_stored",
+                        kind=(order.model_name, store_error.reason),
+                        error=store_error.message,
+                        **_about(order),
+                    )
                     self._send_result(order, error=store_error)
                     return
                 self._send_result(order, outcome=outcome, stored=stored)
@@ -426,11 +476,20 @@ class WorkSession:
             return
         # Dropping resolves the item's future; its order task then answers dropped=true.
         if item.cancel():
-            log.info("work_order_cancelled", job_id=cancel.job_id, attempt=cancel.attempt)
+            self._failed_orders.say(
+                log, "info", "work_order_cancelled", kind="cancelled", job_id=cancel.job_id, attempt=cancel.attempt
+            )
         elif item.progress is not None:
             # Its batch runs: a model that reports progress may stop working on it (progress.py).
             item.progress.cancel()
-            log.info("work_order_cancel_signalled", job_id=cancel.job_id, attempt=cancel.attempt)
+            self._failed_orders.say(
+                log,
+                "info",
+                "work_order_cancel_signalled",
+                kind="signalled",
+                job_id=cancel.job_id,
+                attempt=cancel.attempt,
+            )
 
     def _send_progress(self, order: worker_service_pb2.WorkOrder, update: ProgressUpdate) -> None:
         if not (self._open and self._batches):
@@ -468,7 +527,15 @@ class WorkSession:
                 # Sent, it would end the stream (RESOURCE_EXHAUSTED on the scheduler's side) and every
                 # other job on it with WORKER_LOST; as the same output again, the job's next attempt.
                 error, outcome = output_too_large(size, self._max_result_bytes), None
-                log.warning("work_result_too_large", bytes=size, limit=self._max_result_bytes, **_about(order))
+                self._failed_orders.say(
+                    log,
+                    "warning",
+                    "work_result_too_large",
+                    kind=order.model_name,
+                    bytes=size,
+                    limit=self._max_result_bytes,
+                    **_about(order),
+                )
         if error is not None:
             result.error.CopyFrom(error_status(error))
         if outcome is not None:
