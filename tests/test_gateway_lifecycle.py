@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 from asyncinfer import lifecycle
 from asyncinfer.client import AsyncClient, ResourceExhaustedError, RetryPolicy
@@ -925,3 +926,37 @@ def test_a_version_no_batcher_could_load_is_its_own_waiting_reason() -> None:
     assert pinned(r.PAUSED, served=False, load_failed=True) == r.PAUSED
     assert unpinned(r.DRAINING, served=False, load_failed=True) == r.DRAINING
     assert pinned(r.NO_WORKER, served=True, load_failed=False) == r.NO_WORKER
+
+
+async def test_a_client_hammering_cancels_and_bad_submits_does_not_flood_the_log(
+    config: Config, nc: NatsClient
+) -> None:
+    """A client cancelling its ten jobs one by one wrote a `job_cancel_requested` line each; now the
+    first names its job, the rest within the interval are at debug. Its refused submits (a full
+    queue, a wrong shape, an unknown model: at the client's rate) write no line above debug."""
+    with capture_logs() as logs:  # from the start: the gateway's loggers are bound as it starts
+        app, channel, gw = await start_harness(with_queue_limit(config, 10), nc)
+        try:
+            jobs = [(await gw.submit()).job_id for _ in range(10)]
+            for job_id in jobs:
+                assert (await gw.cancel(job_id)).state == job_pb2.JOB_STATE_CANCELED
+            wrong_shape = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 3])
+            wrong_shape.contents.fp32_contents.extend([1.0, 2.0, 3.0])
+            refused = [submit_request(inputs=[wrong_shape]), submit_request(model_name="nope")] * 5
+            await gw.put_snapshot(snapshot(depths={Priority.NORMAL: (10, time.time())}, rate=0.5))
+            refused += [submit_request()] * 5  # the queue is full
+            for request in refused:
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await gw.stub.SubmitJob(request)
+        finally:
+            await channel.close(None)
+            await app.stop(grace_s=1)
+    said = [e for e in logs if e["event"] == "job_cancel_requested" and e["log_level"] != "debug"]
+    assert len(said) == 1, said
+    assert (said[0]["log_level"], said[0]["job_id"], said[0]["state"]) == ("info", jobs[0], "CANCELED")
+    held = [e["job_id"] for e in logs if e["event"] == "job_cancel_requested" and e["log_level"] == "debug"]
+    assert held == jobs[1:]
+    started = next(n for n, e in enumerate(logs) if e["event"] == "gateway_started")
+    after_start = [e["event"] for e in logs[started + 1 :] if e["log_level"] != "debug"]
+    # Besides the one cancel line: the accepted jobs' summary and the stop, once each.
+    assert sorted(after_start) == ["gateway_stopped", "job_cancel_requested", "jobs_summary"], after_start

@@ -80,7 +80,7 @@ from asyncinfer.idempotency_claims import Claim, ClaimStore, ClaimWritten
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobRecord, job_key
-from asyncinfer.log_throttle import Throttle
+from asyncinfer.log_throttle import RepeatedLines, Throttle
 from asyncinfer.nats import Client, JetStreamContext, KeyValue, KeyWrongLastSequenceError
 from asyncinfer.nats.streams import store_full
 from asyncinfer.supervision import outcome_seen
@@ -162,6 +162,9 @@ class IdempotentSubmitter:
         self._stale_after_s = config.gateway.enqueue_retry_s + TAKEOVER_MARGIN_S
         self._owners: set[asyncio.Task[JobRecord | None]] = set()
         self._clock_lines = Throttle(CLOCK_LOG_INTERVAL_S)
+        # A submit's NATS trouble, once per interval per kind (the rest at debug): while it lasts,
+        # every keyed submit meets it.
+        self._failure_lines = RepeatedLines()
 
     async def submit(self, request: SubmitRequest, *, tenant: str) -> SubmitOutcome:
         if not request.idempotency_key:
@@ -289,7 +292,14 @@ class IdempotentSubmitter:
             _, found = await self._records.create_first(record, ttl_s=None)
         except Unavailable as exc:
             # The withdrawal, if any, still keeps the job from running; its caller gets this job.
-            log.warning("idempotency_fence_not_written", job_id=record.job_id, error=str(exc))
+            self._failure_lines.say(
+                log,
+                "warning",
+                "idempotency_fence_not_written",
+                kind=exc.reason,
+                job_id=record.job_id,
+                error=str(exc),
+            )
             return record
         if found is None or found.error is None or found.error.reason != job_errors.IDEMPOTENCY_SUPERSEDED:
             return record
@@ -345,7 +355,15 @@ class IdempotentSubmitter:
             elif await self._records.get(job_key(tenant, job_id)) is None:
                 await self._claims.remove(key, revision)
         except (Unavailable, *NATS_FAILURES) as exc:
-            log.warning("idempotency_key_not_released", tenant=tenant, job_id=job_id, error=str(exc))
+            self._failure_lines.say(
+                log,
+                "warning",
+                "idempotency_key_not_released",
+                kind=type(exc).__name__,
+                tenant=tenant,
+                job_id=job_id,
+                error=str(exc),
+            )
 
     async def _deduplicated(self, record: JobRecord) -> SubmitOutcome:
         settled = await self._expiry.settle(record)

@@ -18,6 +18,7 @@ from asyncinfer.grpc_headers import WATCH_READY, watch_since
 from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import JobStore, job_not_found
 from asyncinfer.jobs import JobRecord, JobState, job_key
+from asyncinfer.log_throttle import RepeatedLines
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.tracing import Tracing, trace_fields
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
@@ -97,6 +98,9 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         self._claim_check = claim_check
         self._callback_deliveries = callback_deliveries
         self._idempotent = idempotent
+        # A cancel, once per interval per model and state (the rest at debug): a client cancelling
+        # its thousand jobs one by one, or one cancel hammered, wrote a line each.
+        self._cancel_lines = RepeatedLines()
         self.progress_feed = ProgressFeed(nc)
         # Converted watch messages of recent record changes, oldest first (see _watch_response).
         self._watch_responses: dict[tuple[str, int], job_service_pb2.WatchJobResponse] = {}
@@ -327,7 +331,14 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         finally:
             self._metrics.cancels.labels(model=model_label, outcome=outcome).inc()
         about = {"job_id": record.job_id, "model": record.model_name, **trace_fields(record.traceparent)}
-        log.info("job_cancel_requested", **about, state=record.state.value)
+        self._cancel_lines.say(
+            log,
+            "info",
+            "job_cancel_requested",
+            kind=(record.model_name, record.state),
+            **about,
+            state=record.state.value,
+        )
         return job_service_pb2.CancelJobResponse(job=self._job(record))
 
     async def SubmitJobs(

@@ -26,6 +26,7 @@ from asyncinfer.idempotency_claims import ClaimWritten
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import JobRecord
+from asyncinfer.log_throttle import RepeatedLines
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.groups import DurableMessage, publish_durably_many
 from asyncinfer.nats.streams import StoreFullError, publish_durably, store_full
@@ -78,6 +79,9 @@ class JobSubmitter:
         self._clock = clock
         self._tasks: set[asyncio.Task[JobRecord]] = set()
         self._group_tasks: set[asyncio.Task[list[JobRecord | Exception]]] = set()
+        # A submit refused for NATS trouble or a full store, once per interval per model and kind
+        # (the rest at debug): while it lasts, every submit is refused, at the clients' rate.
+        self._refusal_lines = RepeatedLines()
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -260,11 +264,25 @@ class JobSubmitter:
         self.abandon(record)
         full = store_full(exc)
         if full is not None:
-            log.warning("enqueue_refused_store_full", error=full.description, **job_about(record))
+            self._refusal_lines.say(
+                log,
+                "warning",
+                "enqueue_refused_store_full",
+                kind=(record.model_name, "store_full"),
+                error=full.description,
+                **job_about(record),
+            )
             return self.store_refusal(full)
         if not isinstance(exc, NATS_FAILURES):
             return exc
-        log.warning("enqueue_failed", error=str(exc), **job_about(record))
+        self._refusal_lines.say(
+            log,
+            "warning",
+            "enqueue_failed",
+            kind=(record.model_name, type(exc).__name__),
+            error=str(exc),
+            **job_about(record),
+        )
         return Unavailable(
             f"the job could not be queued ({exc}); it was not accepted, submit it again",
             reason="ENQUEUE_FAILED",
