@@ -167,3 +167,30 @@ async def submit_with_webhook(jobs: Any, url: str) -> str:
     x = demo_request([[1, 2, 3, 4]])
     x.callback.url = url
     return str((await jobs.SubmitJob(x)).job.job_id)
+
+
+async def test_a_webhook_endpoint_that_is_down_for_every_job_is_said_once_not_a_line_a_job(
+    config: Config, receiver: Receiver, start_stack: StartStack
+) -> None:
+    """Six jobs whose webhook's endpoint answers 503 until each delivery gives up: a
+    `webhook_attempted` line per attempt and job at info, and one per job at warning (an endpoint
+    down at 100 jobs a second wrote hundreds a second). Now the first of each kind is said whole,
+    naming its job, and the rest within the interval are at debug, each still there."""
+    settings = webhook_config(config, retry_horizon_s=0.5, backoff_base_s=0.1, backoff_max_s=0.2)
+    receiver.scripts["/down"] = [(503, {})] * 1000
+    with logs_at(logging.DEBUG) as lines:
+        stack = await start_stack(settings)
+        jobs = {await submit_with_webhook(stack.jobs, receiver.url("/down")) for _ in range(6)}
+
+        def gave_up() -> set[str]:
+            return {
+                line["job_id"] for line in lines if line["event"] == "webhook_attempted" and line["state"] == "FAILED"
+            }
+
+        await wait_for(lambda: gave_up() == jobs, "every delivery to give up")
+    attempted = [line for line in lines if line["event"] == "webhook_attempted"]
+    said = [(line["log_level"], line["state"]) for line in attempted if line["log_level"] != "debug"]
+    assert sorted(said) == [("info", "PENDING"), ("warning", "FAILED")], said
+    first = next(line for line in attempted if line["log_level"] != "debug")
+    assert (first["job_id"] in jobs, first["status_code"]) == (True, 503)
+    assert len([line for line in attempted if line["state"] == "FAILED"]) == 6, "each still there, at debug"

@@ -38,6 +38,7 @@ from asyncinfer.config import Config
 from asyncinfer.contract import WEBHOOK_SENDER_CONSUMER as SENDER_CONSUMER
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
+from asyncinfer.log_throttle import RepeatedLines
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg
 from asyncinfer.supervision import Supervisor
@@ -130,6 +131,9 @@ class Sender:
         self.rng = rng or random.Random()
         self._clock = clock
         self._poster = DeliveryPoster(config.webhooks, metrics.attempts, clock=clock)
+        # A delivery's failure lines, once per interval per tenant and kind (the rest at debug):
+        # an endpoint that is down, or NATS away, fails every job's delivery.
+        self._failure_lines = RepeatedLines()
         self._pull: HeldPull | None = None
         self._task: asyncio.Task[None] | None = None
         self._deliveries: set[asyncio.Task[None]] = set()
@@ -214,12 +218,27 @@ class Sender:
                 await msg.nak()
             raise
         except (Unavailable, *NATS_FAILURES) as exc:
-            log.warning("webhook_status_unavailable", job_id=delivery.job_id, error=str(exc))
+            self._failure_lines.say(
+                log,
+                "warning",
+                "webhook_status_unavailable",
+                kind=type(exc).__name__,
+                job_id=delivery.job_id,
+                error=str(exc),
+            )
             with contextlib.suppress(Exception):
                 await msg.nak(delay=STATUS_RETRY_DELAY_S)
             return
-        except Exception:  # a bug: the delivery comes back later rather than being lost
-            log.exception("webhook_attempt_crashed", job_id=delivery.job_id, webhook_id=delivery.webhook_id)
+        except Exception as exc:  # a bug: the delivery comes back later rather than being lost
+            self._failure_lines.say(
+                log,
+                "error",
+                "webhook_attempt_crashed",
+                kind=type(exc).__name__,
+                job_id=delivery.job_id,
+                webhook_id=delivery.webhook_id,
+                exc_info=exc,
+            )
             with contextlib.suppress(Exception):
                 await msg.nak(delay=STATUS_RETRY_DELAY_S)
             return
@@ -301,7 +320,7 @@ class Sender:
                 last_error="the URL answered 410 Gone to an earlier delivery and is disabled for this tenant",
             )
             await self._record(delivery, disabled)
-            bound.info("webhook_disabled_url_skipped")
+            self._failure_lines.say(bound, "info", "webhook_disabled_url_skipped", kind=(delivery.tenant, "disabled"))
             return None
         started = self._clock()
         code, error, retry_after = await self._poster.post(delivery)
@@ -351,14 +370,15 @@ class Sender:
             self._metrics.finished.labels(state=status.state.value).inc()
         # A delivery is at debug (at info its line, ~380 bytes, was a third of the log of a job
         # with a webhook); an attempt that failed is at info, with its retry, and one that gave up
-        # (FAILED, DISABLED) at warning.
+        # (FAILED, DISABLED) at warning: the first of its kind (per tenant, state and status code),
+        # then one per interval, the rest at debug (an endpoint that is down fails every job's).
+        fields = {"status_code": code, "state": status.state.value, "error": error or None, "retry_in_s": delay}
         if status.state is DeliveryState.DELIVERED:
-            say = bound.debug
-        elif status.state is DeliveryState.PENDING:
-            say = bound.info
+            bound.debug("webhook_attempted", **fields)
         else:
-            say = bound.warning
-        say("webhook_attempted", status_code=code, state=status.state.value, error=error or None, retry_in_s=delay)
+            level = "info" if status.state is DeliveryState.PENDING else "warning"
+            kind = (delivery.tenant, status.state, code)
+            self._failure_lines.say(bound, level, "webhook_attempted", kind=kind, **fields)
         return delay
 
     async def _record(self, delivery: Delivery, status: DeliveryStatus) -> None:
