@@ -795,3 +795,29 @@ def test_a_key_or_address_from_the_environment_that_cannot_be_sent_is_a_usage_er
     monkeypatch.setenv("ASYNCINFER_OPS_KEY", "caf\udce9")
     assert main(["stats", "--once", "--timeout", "1"]) == 2
     assert capsys.readouterr().err.startswith("asyncinfer: ASYNCINFER_OPS_KEY: a key is printable ASCII")
+
+
+def test_the_live_stats_screen_says_a_retry_in_its_title_not_on_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`stats` on a terminal redraws its screen in place; a scheduler that does not answer (one
+    restarting) was said in a line on stderr, which the screen's redraw then drew over and shifted.
+    The screen says it in its own title instead; stderr keeps only the final error."""
+    import io
+    import socket
+
+    from asyncinfer.cli import main
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    with socket.socket() as sock:  # a port nothing listens on: each call is refused, and retried
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out, err = Terminal(), Terminal()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.delenv("ASYNCINFER_OPS_KEY", raising=False)
+    assert main(["stats", "--scheduler", f"127.0.0.1:{port}", "--timeout", "1"]) != 0
+    assert f"127.0.0.1:{port} does not answer; trying again" in out.getvalue()
+    assert "trying again" not in err.getvalue(), err.getvalue()
+    assert err.getvalue().strip(), "the error that ended it is still said"

@@ -21,7 +21,7 @@ import msgspec
 from grpc import aio
 
 from asyncinfer.access import bearer_metadata
-from asyncinfer.client import RetryPolicy
+from asyncinfer.client import AsyncInferClientError, RetryPolicy
 from asyncinfer.client._addresses import most_telling
 from asyncinfer.client._retry import Deadline
 from asyncinfer.client.errors import code_and_reason, from_rpc_error
@@ -125,9 +125,13 @@ RECONNECT_SOON = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconne
 
 
 async def _ops_call(
-    options: Options, call: Callable[[ops_service_pb2_grpc.OpsServiceAsyncStub, float], Awaitable[T]]
+    options: Options,
+    call: Callable[[ops_service_pb2_grpc.OpsServiceAsyncStub, float], Awaitable[T]],
+    say_retrying_as: Callable[[AsyncInferClientError, float], None] | None = None,
 ) -> T:
-    """One OpsService call on a fresh channel; a failure raises the SDK's typed error."""
+    """One OpsService call on a fresh channel; a failure raises the SDK's typed error.
+    `say_retrying_as`: how a retry is said (stats' live screen says it in its title); else a line
+    on stderr, once."""
     credentials = options.credentials()
     # The ops key alone: a key has one role, so --api-key (a tenant's, for the gateway) could only be
     # refused here, and it is not handed to a service that never takes it (NO_OPS_KEY says so).
@@ -145,7 +149,7 @@ async def _ops_call(
         # once where `models` waited out a stack still starting. Only a refused connection: nothing
         # was sent, so a purge or a replay is as safe to try again as a read.
         retry = RetryPolicy()
-        say = say_retrying(options.scheduler)
+        say = say_retrying_as or say_retrying(options.scheduler)
         deadline = Deadline(options.call_timeout_s)
         attempt = 0
         while True:
@@ -616,8 +620,9 @@ def stats_table(models: list[dict[str, Any]]) -> str:
     return table(*stats_rows(models))
 
 
-def stats_screen(models: list[dict[str, Any]], scheduler: str, now: str) -> RenderableType:
-    """What the live stats screen shows: a title line, then the table drawn by rich."""
+def stats_screen(models: list[dict[str, Any]], scheduler: str, now: str, trouble: str = "") -> RenderableType:
+    """What the live stats screen shows: a title line (with `trouble`, where the last poll met
+    some), then the table drawn by rich."""
     from rich.console import Group
     from rich.text import Text
 
@@ -625,6 +630,8 @@ def stats_screen(models: list[dict[str, Any]], scheduler: str, now: str) -> Rend
     schedulers = max((model.get("schedulers", 0) for model in models), default=0)
     cluster = f" ({schedulers} schedulers)" if schedulers > 1 else ""
     title = Text(f"asyncinfer queues at {scheduler}{cluster}  {now}  (Ctrl-C to stop)\n")
+    if trouble:
+        title.append(f"{trouble}\n", style="bold yellow")
     return Group(title, rich_table(*stats_rows(models)))
 
 
@@ -640,15 +647,27 @@ async def stats_command(args: argparse.Namespace, options: Options) -> int:
         live = Live(console=console(sys.stdout), auto_refresh=False, redirect_stdout=False, redirect_stderr=False)
         live.start()
     request = ops_service_pb2.GetQueueStatsRequest(model_name=args.model)
+    shown: list[dict[str, Any]] = []  # the models the screen shows: redrawn with a retry's line
+
+    def say_in_screen(error: AsyncInferClientError, _delay_s: float) -> None:
+        # A line on stderr, under a screen redrawn in place, is drawn over and shifts the screen
+        # down a line each poll (a scheduler restarting while the screen shows): said in its title.
+        if live is not None:
+            trouble = f"{options.scheduler} does not answer; trying again"
+            now = datetime.now().astimezone().strftime("%H:%M:%S")
+            live.update(stats_screen(shown, options.scheduler, now, trouble), refresh=True)
+
+    say = say_in_screen if live is not None else None
     try:
         while True:
             started = time.monotonic()
-            response = await _ops_call(options, lambda stub, t: stub.GetQueueStats(request, timeout=t))
+            response = await _ops_call(options, lambda stub, t: stub.GetQueueStats(request, timeout=t), say)
             models = [model_stats_json(m) for m in response.models]
             if options.json:
                 print_json({"time": datetime.now(UTC).isoformat(), "models": models})
             elif live is not None:
                 now = datetime.now().astimezone().strftime("%H:%M:%S")
+                shown[:] = models
                 live.update(stats_screen(models, options.scheduler, now), refresh=True)
             elif args.once:
                 print_table(*stats_rows(models))

@@ -8,9 +8,11 @@ import io
 import re
 from typing import Any
 
+import grpc
 import pytest
 from rich.console import Console
 
+from asyncinfer.client import UnavailableError
 from asyncinfer.commands.ops import stats_rows, stats_screen, stats_table
 from asyncinfer.commands.output import print_table, rich_table
 
@@ -123,10 +125,13 @@ async def test_the_live_stats_screen_redraws_in_place(monkeypatch: pytest.Monkey
 
     depths = iter([3, 7])
 
-    async def fake_call(options: Options, call: Any) -> ops_service_pb2.GetQueueStatsResponse:
+    async def fake_call(options: Options, call: Any, say: Any = None) -> ops_service_pb2.GetQueueStatsResponse:
         depth = next(depths, None)
         if depth is None:
             raise Stop
+        if depth == 7:  # the scheduler did not answer at once: the retry is said in the screen
+            assert say is not None, "the live screen says a retry itself"
+            say(UnavailableError("connection refused", code=grpc.StatusCode.UNAVAILABLE), 0.1)
         priority = ops_service_pb2.PriorityQueueStats(priority=job_pb2.PRIORITY_NORMAL, depth=depth)
         return ops_service_pb2.GetQueueStatsResponse(
             models=[ops_service_pb2.ModelQueueStats(model_name="demo", priorities=[priority])]
@@ -144,6 +149,12 @@ async def test_the_live_stats_screen_redraws_in_place(monkeypatch: pytest.Monkey
     assert "\x1b[2J" not in drawn  # in place, not by clearing the screen
     assert re.search(r"demo\s+3\s", ANSI.sub("", first))
     assert re.search(r"demo\s+7\s", ANSI.sub("", second))
+    # The retry's frame, in place between the two: the last counts, under a title that says so.
+    frames = [ANSI.sub("", frame) for frame in re.split(r"(?:\x1b\[2K\x1b\[1A)+\x1b\[2K", drawn)]
+    assert "127.0.0.1:50052 does not answer; trying again" in frames[1], frames
+    assert re.search(r"demo\s+3\s", frames[1])
+    assert re.search(r"demo\s+7\s", frames[2])
+    assert "trying again" not in frames[0] + frames[2]  # (the last frame again at the stop)
     assert drawn.endswith("\x1b[?25h")  # the cursor shown again when it stops
 
 
