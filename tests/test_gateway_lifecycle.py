@@ -336,6 +336,23 @@ async def test_get_job_past_its_deadline_reports_expired_and_makes_it_so(gw: Har
     assert error_details(info.value)["ErrorInfo"].metadata["state"] == "EXPIRED"
 
 
+async def test_jobs_expired_on_read_alike_are_said_once_not_a_line_a_job(gw: Harness) -> None:
+    """A client reading its jobs past their deadline expires each on the read: a
+    `job_expired_on_read` line each at info. Now the first names its job; the rest within the
+    interval are at debug, each still there."""
+    deadline = time.time() + 0.3
+    due = {"seconds": int(deadline), "nanos": int((deadline % 1) * 1e9)}
+    jobs = [(await gw.submit(deadline=due)).job_id for _ in range(6)]
+    await sleep_until(deadline)
+    with capture_logs() as logs:
+        for job_id in jobs:
+            assert (await gw.get(job_id)).state == job_pb2.JOB_STATE_EXPIRED
+    said = [e for e in logs if e["event"] == "job_expired_on_read" and e["log_level"] != "debug"]
+    assert [(e["log_level"], e["job_id"], e["model"]) for e in said] == [("info", jobs[0], DEMO)]
+    held = [e["job_id"] for e in logs if e["event"] == "job_expired_on_read" and e["log_level"] == "debug"]
+    assert held == jobs[1:]
+
+
 async def test_expiry_on_read_loses_to_a_dispatch_and_reports_it(gw: Harness) -> None:
     job = await gw.submit(queue_ttl={"seconds": 60})
     queued = await gw.record(job.job_id)

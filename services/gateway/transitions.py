@@ -25,6 +25,7 @@ from asyncinfer import lifecycle
 from asyncinfer.errors import FailedPrecondition
 from asyncinfer.job_store import NATS_FAILURES, JobStore, job_not_found
 from asyncinfer.jobs import JobRecord, JobState
+from asyncinfer.log_throttle import RepeatedLines
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.queues import CancelNotice, cancel_subject
 from asyncinfer.tracing import trace_fields
@@ -59,12 +60,17 @@ class Expiry:
         self._records = records
         self._on_expired = on_expired
         self.clock = clock
+        self._expired_lines = RepeatedLines()
 
     async def settle(self, record: JobRecord) -> JobRecord | None:
         latest, wrote = await expire_if_overdue(self._records, record, self.clock())
         if wrote and latest is not None:
             about = {"job_id": latest.job_id, "model": latest.model_name, "tenant": latest.tenant}
-            log.info("job_expired_on_read", **about, **trace_fields(latest.traceparent))
+            # Once per interval per model (the rest at debug): a client reading its thousand jobs
+            # past their deadline expired each on the read.
+            self._expired_lines.say(
+                log, "info", "job_expired_on_read", kind=latest.model_name, **about, **trace_fields(latest.traceparent)
+            )
             self._on_expired(latest)
         return latest
 

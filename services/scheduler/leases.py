@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import structlog
 
 from asyncinfer.jobs import JobRecord, ProgressReport
+from asyncinfer.log_throttle import RepeatedLines
 from asyncinfer.nats import Msg
 from services.scheduler.batchers import BatcherSession
 
@@ -73,6 +74,8 @@ class Leases:
         self._abandoned: collections.OrderedDict[tuple[str, int], AbandonedAttempt] = collections.OrderedDict()
         self._idle = asyncio.Event()
         self._idle.set()
+        # A renewal round is every job in flight: NATS away failed each, a line a job a round.
+        self._renewal_lines = RepeatedLines()
 
     def hold(self, job: InFlightJob, on_timeout: Callable[[InFlightJob], None]) -> InFlightJob | None:
         """Holds the attempt's lease (and starts its timeout); returns the attempt it supersedes,
@@ -170,7 +173,13 @@ class Leases:
             try:
                 await job.msg.in_progress()
             except Exception as exc:
-                job.log.warning("lease_renewal_failed", error=str(exc))
+                self._renewal_lines.say(
+                    job.log,
+                    "warning",
+                    "lease_renewal_failed",
+                    kind=(job.model_name, type(exc).__name__),
+                    error=str(exc),
+                )
 
     def count(self, model_name: str) -> int:
         return sum(1 for job in self.jobs.values() if job.model_name == model_name)

@@ -28,6 +28,7 @@ import structlog
 
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord, JobState, ProgressReport
+from asyncinfer.log_throttle import RepeatedLines
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.progress_notice import announce_progress
 from services.scheduler.leases import InFlightJob, Leases
@@ -82,6 +83,9 @@ class ProgressRelay:
         self._store = store
         self._leases = leases
         self._tasks = tasks
+        # Once per interval per model and kind of failure (the rest at debug): NATS away fails the
+        # progress write of every job that reports.
+        self._failure_lines = RepeatedLines()
         self._record_interval_s = record_interval_s
 
     async def relay(self, job: InFlightJob, report: ProgressReport) -> None:
@@ -109,7 +113,9 @@ class ProgressRelay:
             if written and latest is not None and self._leases.jobs.get(job.job_id) is job:
                 job.record = latest
         except Exception as exc:  # the next report, or the terminal write, writes it
-            job.log.warning("progress_not_written", error=str(exc))
+            self._failure_lines.say(
+                job.log, "warning", "progress_not_written", kind=(job.model_name, type(exc).__name__), error=str(exc)
+            )
         finally:
             job.progress_writing = False
             job.progress_written_at = time.monotonic()

@@ -39,6 +39,7 @@ from asyncinfer.contract import WEBHOOK_FEED_CONSUMER as FEED_CONSUMER
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import JobRecord, JobState
+from asyncinfer.log_throttle import RepeatedLines
 from asyncinfer.nats import KV_DEL, KV_OP, KV_PURGE, JetStreamContext, Msg
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.streams import publish_durably
@@ -100,6 +101,9 @@ class Notifier:
         self._js = js
         self._nc = nc
         self._supervisor = supervisor
+        # A record's enqueue failing, once per interval per kind (the rest at debug): NATS away, or a
+        # bug, fails every job's.
+        self._failure_lines = RepeatedLines()
         self._store = store
         self._config = config
         self._pull: HeldPull | None = None
@@ -136,12 +140,16 @@ class Notifier:
         try:
             await self.process(msg)
         except (Unavailable, *NATS_FAILURES) as exc:
-            log.warning("webhook_enqueue_failed", subject=msg.subject, error=str(exc))
+            self._failure_lines.say(
+                log, "warning", "webhook_enqueue_failed", kind=type(exc).__name__, subject=msg.subject, error=str(exc)
+            )
             with contextlib.suppress(Exception):
                 await msg.nak(delay=RETRY_DELAY_S)
             return
-        except Exception:  # a bug: keep the feed going, and this record comes back later
-            log.exception("webhook_enqueue_crashed", subject=msg.subject)
+        except Exception as exc:  # a bug: keep the feed going, and this record comes back later
+            self._failure_lines.say(
+                log, "error", "webhook_enqueue_crashed", kind=type(exc).__name__, subject=msg.subject, exc_info=exc
+            )
             with contextlib.suppress(Exception):
                 await msg.nak(delay=RETRY_DELAY_S)
             return
