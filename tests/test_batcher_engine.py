@@ -866,3 +866,48 @@ async def test_a_model_that_times_out_every_batch_says_so_once_not_a_line_a_batc
     assert "more_since_last" not in said[0]
     held = [e for e in logs if e["event"] == "batch_timed_out" and e["log_level"] == "debug"]
     assert len(held) == 4, "each batch's line is still there at debug"
+
+
+class HangingRemoteModel(TorchBackend):
+    """A remote backend (Triton's kind: its call runs on the event loop, and can be cancelled)
+    whose calls never answer; counts the calls cancelled."""
+
+    runs_async = True
+
+    def __init__(self) -> None:
+        super().__init__("demo", build_demo_model(), DEMO_MODEL.signature, torch.device("cpu"))
+        self.cancelled: asyncio.Queue[None] = asyncio.Queue()
+
+    async def infer_batch_async(self, inputs: Any, times: Any = None) -> Any:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.put_nowait(None)
+            raise
+
+
+async def test_a_remote_model_that_hangs_every_call_says_its_cancels_once_not_a_line_a_batch() -> None:
+    """Five batches of a remote model whose calls never answer, each cancelled once its item timed
+    out: a `batch_call_cancelled` info line per batch. Now the first says it whole, and the rest
+    within the interval are at debug."""
+    from services.batcher.engine import BatchingEngine
+
+    backend = HangingRemoteModel()
+    config = DEMO_MODEL.model_copy(update={"max_batch_size": 1, "max_queue_delay_ms": 0.0, "max_inflight_batches": 5})
+    engine = BatchingEngine()
+    engine.add_model(config, backend)
+    await engine.start()
+    try:
+        with capture_logs() as logs:
+            items = [engine.submit("demo", rows(float(n)), run_timeout_s=0.2, credited=True) for n in range(5)]
+            for item in items:
+                with pytest.raises(RunTimedOut):
+                    await asyncio.wait_for(item.future, 5.0)
+            for _ in items:  # each call cancelled (its line is said as the cancel is asked)
+                await asyncio.wait_for(backend.cancelled.get(), 5.0)
+    finally:
+        await engine.stop()
+    said = [e for e in logs if e["event"] == "batch_call_cancelled" and e["log_level"] != "debug"]
+    assert [(e["log_level"], e["model"], e["items"]) for e in said] == [("info", "demo", 1)]
+    held = [e for e in logs if e["event"] == "batch_call_cancelled" and e["log_level"] == "debug"]
+    assert len(held) == 4

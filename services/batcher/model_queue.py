@@ -30,6 +30,7 @@ from asyncinfer.errors import (
     Unavailable,
 )
 from asyncinfer.jobs import Priority
+from asyncinfer.log_throttle import RepeatedLines
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tensors import Tensor, validate_inputs
 from asyncinfer.tracing import Tracing
@@ -114,6 +115,9 @@ class ModelQueue:
         self._batches: dict[asyncio.Task[None], list[PendingItem]] = {}
         self._running: dict[asyncio.Task[None], RunningBatch] = {}
         self._timeouts = BatchTimeouts(self.name, self._running, hung, self._update_stuck)
+        # A batch's lines, once per interval per kind (the rest at debug): a model that hangs has
+        # every batch's call cancelled, and a bug past the call fails every batch.
+        self._batch_lines = RepeatedLines()
         self._stuck = False
         self._former: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -241,8 +245,14 @@ class ModelQueue:
             if call is None or call.done() or item not in running.items:
                 continue
             if all(other.future.done() for other in running.items):
-                log.info(
-                    "batch_call_cancelled", model=self.name, items=len(running.items), reason="no item waits for it"
+                self._batch_lines.say(
+                    log,
+                    "info",
+                    "batch_call_cancelled",
+                    kind="cancelled",
+                    model=self.name,
+                    items=len(running.items),
+                    reason="no item waits for it",
                 )
                 call.cancel()
             return
@@ -323,7 +333,15 @@ class ModelQueue:
             return
         # A bug past the model's call (answering, metrics, tracing): every item still gets an
         # answer, or its caller would wait out its execution timeout with nothing logged.
-        log.error("batch_run_failed", model=self.name, items=len(batch), exc_info=error)
+        self._batch_lines.say(
+            log,
+            "error",
+            "batch_run_failed",
+            kind=type(error).__name__,
+            model=self.name,
+            items=len(batch),
+            exc_info=error,
+        )
         fail(batch, ModelError(f"the batcher failed to answer the batch: {type(error).__name__}: {error}"))
 
     def _free_slot(self, task: asyncio.Task[None]) -> None:
