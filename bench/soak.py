@@ -656,7 +656,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--duration-s", type=float, default=180.0)
-    parser.add_argument("--rate", type=float, default=40.0, help="jobs a second, about")
+    parser.add_argument("--rate", type=float, default=30.0, help="jobs a second, about")
     parser.add_argument("--drain-s", type=float, default=120.0, help="longest wait for every job to end")
     parser.add_argument("--workdir", type=Path, default=None, help="logs and the NATS store (kept)")
     args = parser.parse_args()
