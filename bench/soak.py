@@ -97,6 +97,7 @@ class Service:
         self.starts = 0
         self.stopped_by_us = False  # the current run's end was ours (a signal the soak sent)
         self.paused = False
+        self.ready = False  # printed its "serving on" line: the chaos may pick it
         self.left_down = False
         # (log file, exit code, whether the soak ended it) of every run that has ended.
         self.runs: list[tuple[Path, int | None, bool]] = []
@@ -112,6 +113,7 @@ class Service:
     async def start(self) -> None:
         self.starts += 1
         self.stopped_by_us = False
+        self.ready = False
         with self.log_path().open("w") as log:
             self.process = await asyncio.create_subprocess_exec(
                 str(BIN / "asyncinfer"),
@@ -126,6 +128,7 @@ class Service:
         if f"serving on 127.0.0.1:{self.port}" not in line:
             raise RuntimeError(f"{self.name} did not start: {line!r}; its log {self.log_path()}")
         self._drain = asyncio.create_task(self._read_rest(self.process.stdout))
+        self.ready = True
 
     async def _read_rest(self, stdout: asyncio.StreamReader) -> None:
         while await stdout.readline():  # a full pipe would block the service
@@ -135,6 +138,7 @@ class Service:
         assert self.process is not None
         if signum in (signal.SIGKILL, signal.SIGTERM):
             self.stopped_by_us = True
+            self.ready = False
         self.process.send_signal(signum)
         self.paused = signum == signal.SIGSTOP
 
@@ -442,7 +446,7 @@ async def chaos(
             break
         kind = rng.choice(KINDS)
         pair = [service for service in services.values() if service.kind == kind]
-        up = [service for service in pair if service.running and not service.paused]
+        up = [service for service in pair if service.ready and service.running and not service.paused]
         if len(up) < len(pair):
             continue  # never both of a kind at once
         victim = rng.choice(up)
