@@ -23,6 +23,7 @@ exits 1 when there is a finding. The logs stay in --workdir (a temporary folder 
 when there is a finding).
 
     .venv/bin/python -m bench.soak --seed 1 --duration-s 180
+    .venv/bin/python -m bench.soak --seed 7 --duration-s 180 --nats-chaos   # the nats-server too
 """
 
 from __future__ import annotations
@@ -419,11 +420,31 @@ class ChaosCounts:
 
 
 async def chaos(
-    services: dict[str, Service], rng: random.Random, counts: ChaosCounts, findings: Findings, stop: asyncio.Event
+    services: dict[str, Service],
+    rng: random.Random,
+    counts: ChaosCounts,
+    findings: Findings,
+    stop: asyncio.Event,
+    nats: NatsServerProcess | None,
 ) -> None:
-    """Every few seconds a random service of a kind whose other one is up: kill -9, SIGTERM or SIGSTOP."""
+    """Every few seconds a random service of a kind whose other one is up: kill -9, SIGTERM or SIGSTOP;
+    with `nats`, now and then the nats-server itself (kill -9 and a start on the same store, or SIGSTOP)."""
     started = time.monotonic()
     pending: set[asyncio.Task[None]] = set()
+    nats_back: asyncio.Task[None] | None = None
+
+    async def nats_again(server: NatsServerProcess, after_s: float, how: str) -> None:
+        await asyncio.sleep(after_s)
+        assert server.process is not None
+        if how == "stop":
+            server.process.send_signal(signal.SIGCONT)
+            return
+        try:
+            await asyncio.to_thread(server.start, 30.0)
+        except Exception as error:  # a finding, the soak goes on
+            findings.add(f"nats-server did not start again: {error}")
+            return
+        counts.restarts += 1
 
     async def back(service: Service, after_s: float, how: str) -> None:
         await asyncio.sleep(after_s)
@@ -444,6 +465,17 @@ async def chaos(
             await asyncio.wait_for(stop.wait(), rng.uniform(2.0, 6.0))
         if stop.is_set():
             break
+        if nats is not None and (nats_back is None or nats_back.done()) and rng.random() < 0.12:
+            how = rng.choice(("kill", "stop"))
+            assert nats.process is not None
+            if how == "kill":
+                await asyncio.to_thread(nats.kill)
+            else:
+                nats.process.send_signal(signal.SIGSTOP)
+            counts.actions[f"{how} nats"] += 1
+            counts.log.append(f"{time.monotonic() - started:7.1f}s {how} nats-server")
+            nats_back = asyncio.create_task(nats_again(nats, rng.uniform(1.0, 4.0), how))
+            continue
         kind = rng.choice(KINDS)
         pair = [service for service in services.values() if service.kind == kind]
         up = [service for service in pair if service.ready and service.running and not service.paused]
@@ -463,7 +495,7 @@ async def chaos(
         task = asyncio.create_task(back(victim, rng.uniform(0.5, 5.0), how))
         pending.add(task)
         task.add_done_callback(pending.discard)
-    await asyncio.gather(*pending)
+    await asyncio.gather(*pending, *([nats_back] if nats_back else []))
 
 
 async def check(
@@ -589,7 +621,7 @@ def traceback_excerpt(text: str) -> str:
     return text[max(0, at - 300) : at + 2500]
 
 
-async def soak(seed: int, duration_s: float, rate: float, drain_s: float, workdir: Path) -> int:
+async def soak(seed: int, duration_s: float, rate: float, drain_s: float, workdir: Path, nats_chaos: bool) -> int:
     findings = Findings()
     nats = NatsServerProcess(store_dir=workdir / "nats", log_file=workdir / "nats.log")
     nats.start()
@@ -614,7 +646,9 @@ async def soak(seed: int, duration_s: float, rate: float, drain_s: float, workdi
         tasks = [
             asyncio.create_task(workload_loop(client, random.Random(seed + 2), workload, findings, stop_work, rate)),
             asyncio.create_task(label_watch(client, workload, findings, stop_work)),
-            asyncio.create_task(chaos(services, random.Random(seed + 3), counts, findings, stop_chaos)),
+            asyncio.create_task(
+                chaos(services, random.Random(seed + 3), counts, findings, stop_chaos, nats if nats_chaos else None)
+            ),
         ]
         await asyncio.sleep(duration_s)
         stop_chaos.set()
@@ -662,11 +696,12 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=180.0)
     parser.add_argument("--rate", type=float, default=30.0, help="jobs a second, about")
     parser.add_argument("--drain-s", type=float, default=120.0, help="longest wait for every job to end")
+    parser.add_argument("--nats-chaos", action="store_true", help="kill -9 and SIGSTOP the nats-server too")
     parser.add_argument("--workdir", type=Path, default=None, help="logs and the NATS store (kept)")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix=f"soak-{args.seed}-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    code = asyncio.run(soak(args.seed, args.duration_s, args.rate, args.drain_s, workdir))
+    code = asyncio.run(soak(args.seed, args.duration_s, args.rate, args.drain_s, workdir, args.nats_chaos))
     if code == 0 and args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
     else:
