@@ -473,7 +473,9 @@ async def chaos(
             else:
                 nats.process.send_signal(signal.SIGSTOP)
             counts.actions[f"{how} nats"] += 1
-            counts.log.append(f"{time.monotonic() - started:7.1f}s {how} nats-server")
+            counts.log.append(
+                f"{time.monotonic() - started:7.1f}s {time.strftime('%H:%M:%S', time.gmtime())} {how} nats-server"
+            )
             nats_back = asyncio.create_task(nats_again(nats, rng.uniform(1.0, 4.0), how))
             continue
         kind = rng.choice(KINDS)
@@ -486,7 +488,9 @@ async def chaos(
         signum = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}[how]
         await victim.signal(signum)
         counts.actions[f"{how} {kind}"] += 1
-        counts.log.append(f"{time.monotonic() - started:7.1f}s {how} {victim.name} (run {victim.starts})")
+        counts.log.append(
+            f"{time.monotonic() - started:7.1f}s {time.strftime('%H:%M:%S', time.gmtime())} {how} {victim.name} (run {victim.starts})"
+        )
         if kind == "scheduler" and how == "kill" and not counts.left_down and rng.random() < 0.25:
             victim.left_down = True  # never started again: its peer returns its jobs
             counts.left_down.append(victim.name)
@@ -505,6 +509,7 @@ async def check(
     services: dict[str, Service],
     findings: Findings,
     drain_s: float,
+    nats_url: str,
 ) -> dict[str, object]:
     give_up_at = time.monotonic() + drain_s
     keys = {f"default.{job_id}" for job_id in workload.accepted}
@@ -519,7 +524,10 @@ async def check(
     for key in open_keys[:20]:
         record = history.last(key)
         assert record is not None
-        findings.add(f"{key} not terminal after the drain: {record.state.name} attempt {record.attempt}")
+        findings.add(
+            f"{key} not terminal after the drain: {record.state.name} attempt {record.attempt}, "
+            f"dispatched by {record.dispatched_by} at {record.lease_subject}; {await work_state(nats_url, record)}"
+        )
     if len(open_keys) > 20:
         findings.add(f"... and {len(open_keys) - 20} more not terminal")
     longest_gap, longest_key = 0.0, ""
@@ -579,6 +587,36 @@ async def check(
         "longest_without_a_write": longest_key,
         "refused": dict(workload.refused),
     }
+
+
+async def work_state(nats_url: str, record: JobRecord) -> str:
+    """Where a stranded job's work message is: still in the WORK stream, and what its consumer holds."""
+    config = Config().replace(nats={"url": nats_url})
+    tokens = record.lease_subject.split(".")
+    if len(tokens) < 7:
+        return "no delivery named"
+    consumer, seq = tokens[3], int(tokens[5])
+    try:
+        nc = await connect(config.nats, name="soak-work-state")
+    except Exception as error:
+        return f"NATS: {error!r}"
+    try:
+        js = nc.jetstream()
+        try:
+            await js.get_msg(config.nats.work_stream, seq)
+            there = "its message is in the stream"
+        except Exception as error:
+            there = f"its message is not in the stream ({type(error).__name__})"
+        info = await js.consumer_info(config.nats.work_stream, consumer)
+        return (
+            f"{there}; {consumer}: ack floor {info.ack_floor.stream_seq if info.ack_floor else None}, "
+            f"delivered {info.delivered.stream_seq if info.delivered else None}, ack pending {info.num_ack_pending}, "
+            f"redelivered {info.num_redelivered}, waiting {info.num_waiting}, pending {info.num_pending}"
+        )
+    except Exception as error:
+        return f"NATS: {error!r}"
+    finally:
+        await nc.close()
 
 
 async def batch_ended(client: Client, batch_id: str, give_up_at: float) -> batch_service_pb2.Batch | None:
@@ -662,7 +700,7 @@ async def soak(seed: int, duration_s: float, rate: float, drain_s: float, workdi
         tasks[1].cancel()  # the label's watch waits on the stream
         await asyncio.gather(tasks[1], return_exceptions=True)
         await asyncio.wait_for(tasks[0], 60)
-        summary = await check(history, workload, client, services, findings, drain_s)
+        summary = await check(history, workload, client, services, findings, drain_s, nats.url)
     finally:
         for task in tasks:
             task.cancel()
