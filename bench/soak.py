@@ -526,7 +526,8 @@ async def check(
         assert record is not None
         findings.add(
             f"{key} not terminal after the drain: {record.state.name} attempt {record.attempt}, "
-            f"dispatched by {record.dispatched_by} at {record.lease_subject}; {await work_state(nats_url, record)}"
+            f"dispatched by {record.dispatched_by} at {record.lease_subject}; {await work_state(nats_url, record)}; "
+            f"its writes: {writes_of(history, key)}"
         )
     if len(open_keys) > 20:
         findings.add(f"... and {len(open_keys) - 20} more not terminal")
@@ -587,6 +588,18 @@ async def check(
         "longest_without_a_write": longest_key,
         "refused": dict(workload.refused),
     }
+
+
+def writes_of(history: History, key: str) -> str:
+    """A job's writes, each (UTC time, state, attempt, the dispatching instance's run, the delivery's
+    number and stream sequence)."""
+    now_monotonic, now = time.monotonic(), time.time()
+    lines = []
+    for at, record in history.writes.get(key, []):
+        when = time.strftime("%H:%M:%S", time.gmtime(now - (now_monotonic - at)))
+        delivery = ".".join(record.lease_subject.split(".")[4:6])
+        lines.append(f"{when} {record.state.name} #{record.attempt} {record.dispatched_by[-6:]} {delivery}")
+    return "; ".join(lines)
 
 
 async def work_state(nats_url: str, record: JobRecord) -> str:
