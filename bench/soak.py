@@ -453,12 +453,20 @@ async def chaos(
             service.paused = False
             return
         await service.ended(findings)
-        try:
-            await service.start()
-        except Exception as error:  # a finding, the soak goes on
-            findings.add(f"{service.name} did not start again: {error}")
+        for _ in range(30):  # as a supervisor would, while NATS is away (a service exits then: start_failed)
+            try:
+                await service.start()
+            except Exception as error:  # a finding, the soak goes on
+                if "cannot connect to NATS" in service.log_path().read_text(errors="replace"):
+                    await service.ended(findings)
+                    service.runs[-1] = (*service.runs[-1][:2], True)  # NATS's absence, which the chaos made
+                    await asyncio.sleep(1.0)
+                    continue
+                findings.add(f"{service.name} did not start again: {error}")
+                return
+            counts.restarts += 1
             return
-        counts.restarts += 1
+        findings.add(f"{service.name} did not start again in 30 tries: NATS away")
 
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
