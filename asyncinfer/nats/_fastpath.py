@@ -90,6 +90,11 @@ CLIENT_PRIVATE_NAMES = (
     "_max_payload",
     "_skip_subject_validation",
     "stats",
+    # abandoned_pongs_skipped: the PONGs' futures and what a PONG resets
+    "_pongs",
+    "_process_pong",
+    "_pongs_received",
+    "_pings_outstanding",
 )
 JETSTREAM_PRIVATE_NAMES = ("_nc", "_prefix", "_timeout")
 KV_MODULE_PRIVATE_NAMES = ("_is_key_valid",)
@@ -535,6 +540,30 @@ def closed_transport_errors(nc: Client) -> None:
             raise nats.errors.UnexpectedEOF from exc
 
     client._flush_pending = flush_pending_or_eof
+
+
+def abandoned_pongs_skipped(nc: Client) -> None:
+    """Makes a PONG whose flush gave up pass by, rather than end the connection's reader. nats-py's
+    flush(timeout) cancels its PONG's future when the timeout passes and leaves it queued; the PONG
+    that comes late (the server stalled: a VM or GC pause, SIGSTOP, a partition healed) met it in
+    `_process_pong`, whose `set_result` raised InvalidStateError, and nats-py's read loop logged
+    "nats: encountered error" with a traceback and ended. The connection then stayed up but deaf
+    (no message, no answer read) until its unanswered pings took it for stale, ~10 s on. The
+    scheduler's pulls flush with a 1 s timeout once one times out (pull_inbox.caught_up): the
+    chaos soak (bench/soak.py --nats-chaos) found it. A PONG is still counted, as nats-py does."""
+    client: Any = nc
+    process_pong = client._process_pong
+
+    async def process_pong_skipping_abandoned() -> None:
+        pongs = client._pongs
+        if pongs and pongs[0].done():  # a flush that timed out: nobody waits for this PONG
+            pongs.pop(0)
+            client._pongs_received += 1
+            client._pings_outstanding = 0
+            return
+        await process_pong()
+
+    client._process_pong = process_pong_skipping_abandoned
 
 
 # What a connection reads from its socket at once: nats-py's 32 KiB made a 4 MiB chunk of a file

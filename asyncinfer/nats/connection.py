@@ -102,6 +102,7 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
     _fastpath.vet_greetings(client, greetings.vet, wants_tls=tls is not None)
     if _fastpath.FASTPATH_ENABLED:
         _fastpath.closed_transport_errors(client)
+        _fastpath.abandoned_pongs_skipped(client)
         _fastpath.larger_reads()
         _fastpath.quiet_flow_control_checks()
         _fastpath.close_replaced_connections()
