@@ -18,6 +18,9 @@ for every job to end and checks:
 - nothing SUCCEEDED ran more attempts than max_attempts;
 - no service exited but those the soak stopped, and no log holds a traceback or "exited 70".
 
+With --nats-chaos the bucket's watch (an ordered consumer) is remade across the server's restarts and
+may miss writes made meanwhile: the count of terminal writes is then a lower bound.
+
 It prints a summary (jobs, kills, restarts, the longest a job went without a write, findings) and
 exits 1 when there is a finding. The logs stay in --workdir (a temporary folder by default, kept
 when there is a finding).
