@@ -73,6 +73,7 @@ from services.scheduler.queued_records import QueuedRecords
 from services.scheduler.runtime_models import RuntimeModels, declare_consumers
 from services.scheduler.snapshot_writes import SnapshotWrites, write_snapshots
 from services.scheduler.store_usage import StoreUsageReader
+from services.scheduler.stranded_messages import StrandedMessages
 from services.scheduler.webhooks.service import WebhookService
 from services.scheduler.work_queue import ModelQueues
 from services.scheduler.worker_service import WorkerService
@@ -358,6 +359,9 @@ class SchedulerApp:
         # A peer that dies and is not replaced at once: its jobs back in seconds, not after AckWait.
         peers = PeerWatch(queues_bucket, instance.run, reclaimer.reclaim)
         self.supervisor.start("scheduler-peer-watch", peers.run())
+        # A work message no consumer will deliver again (below its ack floor) is queued once more.
+        stranded = StrandedMessages(nc, js, store, config, models=lambda: list(self._dispatchers.by_model))
+        self.supervisor.start("scheduler-stranded-messages", stranded.run())
         self._loops.append(self._repeat("lease_renewal", settings.lease_renew_interval_s, flow.renew_leases))
         self._loops.append(self._repeat("queue_stats", settings.queue_stats_interval_s, self._observe_queues))
         if settings.deadline_sweep_interval_s > 0:
