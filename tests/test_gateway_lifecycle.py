@@ -25,6 +25,7 @@ from asyncinfer.errors import FailedPrecondition
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobError, JobRecord, JobState, Priority, job_key
+from asyncinfer.log_throttle import RepeatedLines
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext, KeyValue, KeyWrongLastSequenceError, Msg
 from asyncinfer.nats.kv import KvBucket, open_kv_bucket
@@ -273,7 +274,7 @@ async def test_cancel_racing_a_completion_reports_the_winner(gw: Harness, nc: Na
     # re-reads, and says the job already finished.
     await gw.advance(job.job_id, state=JobState.SUCCEEDED, end_time=time.time())
     with pytest.raises(FailedPrecondition) as info:
-        await transitions.cancel(gw.store, nc, running, reason="", now=time.time())
+        await transitions.cancel(gw.store, nc, running, reason="", now=time.time(), lines=RepeatedLines())
     assert info.value.reason == "JOB_ALREADY_FINISHED"
     assert info.value.metadata["state"] == "SUCCEEDED"
     assert (await gw.record(job.job_id)).state is JobState.SUCCEEDED

@@ -34,6 +34,7 @@ from asyncinfer.errors import AsyncInferError, FailedPrecondition
 from asyncinfer.failure_lines import FailureLines, unreachable
 from asyncinfer.job_store import NATS_FAILURES, JobStore, UnreadableOnce
 from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL, JobRecord, job_key
+from asyncinfer.log_throttle import RepeatedLines
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.supervision import cancel_and_wait
 from asyncinfer.tracing import AttributeValue, TraceSpan, Tracing
@@ -88,6 +89,8 @@ class BatchDriver:
         self._chunk_ends = chunk_ends
         self._blobs = blobs
         self._clock = clock
+        # A batch's cancel cancels each of its queued jobs: a notice not sent said a line per job.
+        self._cancel_lines = RepeatedLines()
         self._driven: set[BatchKey] = set()
         self._due: set[BatchKey] = set()  # batches whose next tick is at once (new, cancelled, prepared)
         self._wake = asyncio.Event()
@@ -510,4 +513,6 @@ class BatchDriver:
             if job is None or job.state.is_terminal or job.state.value == "CANCELLING":
                 continue
             with contextlib.suppress(FailedPrecondition):  # it ended first: its outcome is read next tick
-                await transitions.cancel(self._records, self._nc, job, reason="batch cancelled", now=self._clock())
+                await transitions.cancel(
+                    self._records, self._nc, job, reason="batch cancelled", now=self._clock(), lines=self._cancel_lines
+                )

@@ -30,6 +30,7 @@ from asyncinfer.error_bounds import clip_error
 from asyncinfer.error_status import error_to_proto
 from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, ResourceExhausted, Unavailable
 from asyncinfer.jobs import JobError, JobRecord
+from asyncinfer.log_throttle import RepeatedLines
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2
 from services.gateway.idempotency import SubmitOutcome
 
@@ -170,6 +171,7 @@ def _answer(
     correlation_id: str,
     outcome: SubmitOutcome | BaseException,
     to_job: ToJob,
+    lines: RepeatedLines,
 ) -> None:
     """Fills in the answer for one job (the fields of a one-job response and of an answer agree)."""
     response.correlation_id = correlation_id
@@ -180,7 +182,17 @@ def _answer(
     elif isinstance(outcome, AsyncInferError):
         response.error.CopyFrom(error_status(outcome))
     else:
-        log.error("bulk_item_failed", index=index, error=repr(outcome), exc_info=outcome)
+        # Once per interval per exception type (the rest at debug, each with its traceback): a
+        # message's submit that fails as a whole fails each of its items alike, a traceback each.
+        lines.say(
+            log,
+            "error",
+            "bulk_item_failed",
+            kind=type(outcome).__name__,
+            index=index,
+            error=repr(outcome),
+            exc_info=outcome,
+        )
         response.error.CopyFrom(_internal())
 
 
@@ -205,10 +217,12 @@ async def submit_stream(
     submit_many: SubmitMany,
     to_job: ToJob,
     *,
+    lines: RepeatedLines,
     window: int = DEFAULT_WINDOW,
 ) -> AsyncGenerator[job_service_pb2.SubmitJobsResponse, None]:
     """One SubmitJobsResponse per request, in request order, with up to about `window` one-job
-    submits in flight, and MAX_JOBS_IN_FLIGHT jobs in all."""
+    submits in flight, and MAX_JOBS_IN_FLIGHT jobs in all. `lines`: the service's (shared by its
+    streams), for an item that failed unexpectedly."""
     pending: asyncio.Queue[_One | _Many | _End] = asyncio.Queue(maxsize=max(window - 1, 1))
     room = asyncio.Semaphore(MAX_JOBS_IN_FLIGHT)
     reader = asyncio.create_task(_read(requests, submit_one, submit_many, pending, room))
@@ -224,12 +238,12 @@ async def submit_stream(
             await asyncio.wait((current,))  # its outcome, success or error, without raising here
             response = job_service_pb2.SubmitJobsResponse()
             if isinstance(item, _One):
-                _answer(response, item.index, item.correlation_id, _outcome(item.task), to_job)
+                _answer(response, item.index, item.correlation_id, _outcome(item.task), to_job, lines)
                 room.release()
             else:
                 outcomes = _outcomes(item.task, len(item.correlation_ids))
                 for n, (correlation_id, outcome) in enumerate(zip(item.correlation_ids, outcomes, strict=True)):
-                    _answer(response.answers.add(), item.index + n, correlation_id, outcome, to_job)
+                    _answer(response.answers.add(), item.index + n, correlation_id, outcome, to_job, lines)
                 for _ in range(item.units):
                     room.release()
             yield response

@@ -101,6 +101,9 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         # A cancel, once per interval per model and state (the rest at debug): a client cancelling
         # its thousand jobs one by one, or one cancel hammered, wrote a line each.
         self._cancel_lines = RepeatedLines()
+        # The lines a plain function says per job for this service (a cancel notice not sent, a
+        # submit's wait ended early, a bulk item that failed unexpectedly): once per interval per kind.
+        self._repeated_lines = RepeatedLines()
         self.progress_feed = ProgressFeed(nc)
         # Converted watch messages of recent record changes, oldest first (see _watch_response).
         self._watch_responses: dict[tuple[str, int], job_service_pb2.WatchJobResponse] = {}
@@ -220,7 +223,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         with self._watches.hold(tenant, context.peer()):
             await self._hub.ensure_feed_quietly()  # first: the job's changes then come without a read
             outcome = await self._submit_unary(request, tenant, caller)
-            record = await wait_for_end(self._hub, outcome.record, budget_s)
+            record = await wait_for_end(self._hub, outcome.record, budget_s, self._repeated_lines)
         self._metrics.submit_waits.labels(outcome="ended" if record.state.is_terminal else "wait_passed").inc()
         return job_service_pb2.SubmitJobResponse(job=self._job(record), deduplicated=outcome.deduplicated)
 
@@ -321,7 +324,12 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
             record = await self._read(context, request.job_id)
             model_label = self._model_label(record.model_name)
             record = await transitions.cancel(
-                self._records, self._nc, record, reason=request.reason, now=self._expiry.clock()
+                self._records,
+                self._nc,
+                record,
+                reason=request.reason,
+                now=self._expiry.clock(),
+                lines=self._repeated_lines,
             )
             outcome = record.state.value
             self._metrics.job_timings.observe(record)  # terminal (CANCELED) when the job was queued
@@ -353,7 +361,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         def submit_many(jobs: Sequence[job_service_pb2.SubmitJobRequest]) -> Coroutine[Any, Any, list[ItemOutcome]]:
             return self._message_submitter.submit(jobs, tenant, submit_one)
 
-        responses = submit_stream(request_iterator, submit_one, submit_many, self._job)
+        responses = submit_stream(request_iterator, submit_one, submit_many, self._job, lines=self._repeated_lines)
         async with contextlib.aclosing(responses) as answers:
             async for answer in answers:
                 yield answer

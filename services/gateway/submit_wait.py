@@ -20,6 +20,7 @@ import structlog
 
 from asyncinfer.errors import AsyncInferError
 from asyncinfer.jobs import JobRecord
+from asyncinfer.log_throttle import RepeatedLines
 from services.gateway.watch_hub import WatchHub
 from services.gateway.watch_one import watch_job
 
@@ -40,9 +41,9 @@ def wait_budget_s(asked_s: float, max_s: float, time_remaining_s: float | None) 
     return max(budget, 0.0)
 
 
-async def wait_for_end(hub: WatchHub, record: JobRecord, budget_s: float) -> JobRecord:
+async def wait_for_end(hub: WatchHub, record: JobRecord, budget_s: float, lines: RepeatedLines) -> JobRecord:
     """The job's record once it is terminal, or the latest one seen when `budget_s` pass (the job
-    itself goes on either way)."""
+    itself goes on either way). `lines`: the service's, for a wait that ended early."""
     latest = record
     if budget_s <= 0 or record.state.is_terminal:
         return latest
@@ -55,5 +56,15 @@ async def wait_for_end(hub: WatchHub, record: JobRecord, budget_s: float) -> Job
     except TimeoutError:
         pass
     except AsyncInferError as error:  # the gateway is stopping, say: the job was accepted, answer it
-        log.warning("submit_wait_ended", job_id=record.job_id, error=error.message)
+        # Once per interval per model and reason (the rest at debug): a stopping gateway ends every
+        # waiting call at once, a line each.
+        lines.say(
+            log,
+            "warning",
+            "submit_wait_ended",
+            kind=(record.model_name, error.reason),
+            job_id=record.job_id,
+            model=record.model_name,
+            error=error.message,
+        )
     return latest

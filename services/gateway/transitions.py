@@ -86,9 +86,12 @@ def already_finished(record: JobRecord) -> FailedPrecondition:
     )
 
 
-async def cancel(records: JobStore, nc: NatsClient, record: JobRecord, *, reason: str, now: float) -> JobRecord:
+async def cancel(
+    records: JobStore, nc: NatsClient, record: JobRecord, *, reason: str, now: float, lines: RepeatedLines
+) -> JobRecord:
     """The record after the cancel: CANCELED, or CANCELLING (the notice sent). FailedPrecondition
-    when the job already ended (or its deadline passed: it is EXPIRED now)."""
+    when the job already ended (or its deadline passed: it is EXPIRED now). `lines`: the caller's
+    (one per service), for the notice that could not be sent."""
     latest, wrote = await records.transition(record, lifecycle.decider(lifecycle.Cancel(reason=reason), now))
     if latest is None:
         raise job_not_found(record.job_id)
@@ -105,7 +108,11 @@ async def cancel(records: JobStore, nc: NatsClient, record: JobRecord, *, reason
         try:
             await nc.publish(cancel_subject(latest.model_name), notice.encode())
         except NATS_FAILURES as exc:
-            # The record says CANCELLING; the scheduler also finds that when the result comes.
+            # The record says CANCELLING; the scheduler also finds that when the result comes. Once
+            # per interval per model and error (the rest at debug): with NATS down, a client
+            # cancelling its thousand jobs, or a batch's cancel, wrote a line each.
             about = {"job_id": latest.job_id, "model": latest.model_name, **trace_fields(latest.traceparent)}
-            log.warning("cancel_notice_not_sent", **about, error=str(exc))
+            lines.say(
+                log, "warning", "cancel_notice_not_sent", kind=(latest.model_name, type(exc)), **about, error=str(exc)
+            )
     return latest

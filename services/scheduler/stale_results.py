@@ -25,6 +25,7 @@ import structlog
 from asyncinfer.blob_meta import attempt_of_result_ref, attempt_result_ref
 from asyncinfer.errors import AsyncInferError
 from asyncinfer.jobs import BlobRef
+from asyncinfer.log_throttle import RepeatedLines
 from services.scheduler.blobs import ClaimCheckIO
 from services.scheduler.owned_tasks import OwnedTasks
 
@@ -53,17 +54,28 @@ class StaleResults:
     def __init__(self, claim_check: ClaimCheckIO | None, tasks: OwnedTasks) -> None:
         self._claim_check = claim_check
         self._tasks = tasks
+        # Once per interval per why and reason (the rest at debug): with the object store down,
+        # every dropped or refused answer's delete failed, a line each.
+        self._failure_lines = RepeatedLines()
 
     def delete(self, tenant: str, job_id: str, ref: str | None, *, why: str) -> None:
         if ref is None or self._claim_check is None:
             return
         self._tasks.spawn(self._delete(self._claim_check, tenant, job_id, ref, why))
 
-    @staticmethod
-    async def _delete(claim_check: ClaimCheckIO, tenant: str, job_id: str, ref: str, why: str) -> None:
+    async def _delete(self, claim_check: ClaimCheckIO, tenant: str, job_id: str, ref: str, why: str) -> None:
         try:
             deleted = await claim_check.delete_result(tenant, ref)
         except AsyncInferError as exc:
-            log.info("stale_result_not_deleted", job_id=job_id, ref=ref, why=why, error=exc.message)
+            self._failure_lines.say(
+                log,
+                "info",
+                "stale_result_not_deleted",
+                kind=(why, exc.reason),
+                job_id=job_id,
+                ref=ref,
+                why=why,
+                error=exc.message,
+            )
             return
         log.debug("stale_result_deleted", job_id=job_id, ref=ref, why=why, found=deleted)

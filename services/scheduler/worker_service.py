@@ -17,6 +17,7 @@ import structlog
 
 from asyncinfer.errors import AsyncInferError, FailedPrecondition, FieldViolation, InvalidArgument
 from asyncinfer.jobs import BlobRef, JobError, Priority, ProgressReport
+from asyncinfer.log_throttle import RepeatedLines
 from asyncinfer.supervision import failure_logged
 from asyncinfer.tensor_codec import decode_tensors, fill_tensor_proto
 from asyncinfer.tensors import ModelSignature, Tensor, TensorSpec
@@ -147,13 +148,26 @@ def _output_ref(message: worker_service_pb2.WorkResult) -> BlobRef | None:
     return BlobRef(ref=ref.ref, size_bytes=ref.size_bytes, sha256=ref.sha256)
 
 
-def progress_from_proto(message: worker_service_pb2.WorkProgress) -> WorkProgress:
-    """A batcher's progress report; partial outputs it cannot decode are left out of it."""
+def progress_from_proto(
+    message: worker_service_pb2.WorkProgress, lines: RepeatedLines, batcher_id: str
+) -> WorkProgress:
+    """A batcher's progress report; partial outputs it cannot decode are left out of it. `lines`: the
+    service's, for partial outputs that are invalid (`batcher_id`: whose)."""
     progress = message.progress
     try:
         outputs = tuple(decode_tensors(progress.partial_outputs, "progress.partial_outputs"))
     except InvalidArgument as exc:
-        log.warning("progress_outputs_invalid", job_id=message.job_id, error=exc.message)
+        # Once per interval per batcher (the rest at debug): a batcher whose model streams invalid
+        # partial outputs sends them with every step of every job.
+        lines.say(
+            log,
+            "warning",
+            "progress_outputs_invalid",
+            kind=batcher_id,
+            job_id=message.job_id,
+            batcher_id=batcher_id,
+            error=exc.message,
+        )
         outputs = ()
     report = ProgressReport(
         attempt=message.attempt,
@@ -259,6 +273,8 @@ class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
         self._flow = flow
         self._on_models = on_models
         self._controls = controls
+        # Partial outputs a batcher sent that are invalid: once per interval per batcher.
+        self._progress_lines = RepeatedLines()
 
     async def Connect(
         self,
@@ -352,7 +368,9 @@ class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
                 elif kind == "updates":
                     # Progress first: an item's last report is published before its result is stored.
                     for progress in request.updates.progress:
-                        await self._flow.handle_progress(session, progress_from_proto(progress))
+                        await self._flow.handle_progress(
+                            session, progress_from_proto(progress, self._progress_lines, session.batcher_id)
+                        )
                     for result in request.updates.results:
                         await slots.acquire()
                         task = asyncio.create_task(store(result_from_proto(result)))
