@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
+import structlog
 
 from asyncinfer.client._convert import error_from_proto
 from asyncinfer.config import Config
@@ -17,6 +18,7 @@ from asyncinfer.errors import FieldViolation as DomainViolation
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
 from services.gateway.bulk import error_status
+from services.gateway.job_service import JobService
 from tests.test_gateway import fp32_input, submit_request
 from tests.test_gateway_auth import ACME_KEY, GLOBEX_KEY, bearer, serve, with_keys
 
@@ -177,3 +179,18 @@ async def test_many_jobs_per_message_are_answered_together_in_order(stub: JobStu
     assert [a.index for a in flat] == [*range(100), *range(101, 301)]
     valid = sum(expected == "job" for _, _, expected in records) + 1
     assert await work_messages(nc) == valid
+
+
+async def test_items_failing_alike_on_a_bug_log_one_traceback_an_interval(
+    stub: JobStub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def a_bug(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug in the submit path")
+
+    monkeypatch.setattr(JobService, "_submit", a_bug)
+    with structlog.testing.capture_logs() as logs:
+        said = await answers(stub, bulk((f"c{i}", submit_request()) for i in range(20)))
+    assert [a.error.reason for a in said] == ["INTERNAL"] * 20  # each item still answered, and the stream goes on
+    failed = [e for e in logs if e["event"] == "bulk_item_failed"]
+    assert len(failed) == 20  # each one's traceback at debug past the first
+    assert [e["index"] for e in failed if e["log_level"] != "debug"] == [0]

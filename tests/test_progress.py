@@ -648,3 +648,32 @@ async def test_a_fraction_that_is_not_a_number_fails_the_call_saying_so() -> Non
     assert updates, "the valid reports went out"
     assert updates[-1].fraction == pytest.approx((0.25 + 0.5) / 2)
     assert all(u.fraction is not None and 0.0 <= u.fraction <= 1.0 for u in updates)
+
+
+async def test_invalid_partial_outputs_of_many_reports_are_one_line_an_interval(
+    config: Config, start_stack: StartStack
+) -> None:
+    """A batcher whose partial outputs the scheduler cannot decode (sent with every step of every
+    job): the reports go without them, said once per interval per batcher, the rest at debug. It
+    said a warning per report."""
+    stack = await start_stack(config.replace(gateway={"port": free_port()}), batcher=False)
+    batcher = FakeBatcher(stack.scheduler.port, "fake")
+    await batcher.connect(takes_batches=True)
+    await batcher.grant(4)
+    job = (await stack.jobs.SubmitJob(x_request("demo"))).job
+    order = await batcher.next_order()
+    updates = worker_service_pb2.WorkUpdates()
+    for step in range(1, 21):
+        sent = updates.progress.add(job_id=job.job_id, attempt=order.attempt, step=step)
+        sent.progress.partial_outputs.add(name="y", datatype="BOGUS")
+    y = Tensor.from_numpy("y", np.ones((1, 4), dtype=np.float32))
+    updates.results.add(job_id=job.job_id, attempt=order.attempt, outputs=[to_output_proto(y, raw=True)])
+    with capture_logs() as logs:
+        await batcher._call.write(worker_service_pb2.ConnectRequest(updates=updates))
+        seen = await asyncio.wait_for(watch_all(stack.jobs, job.job_id), 30)
+    assert seen[-1].state == job_pb2.JOB_STATE_SUCCEEDED
+    said = [entry for entry in logs if entry["event"] == "progress_outputs_invalid"]
+    assert len(said) == 20  # each report's at debug past the first
+    above_debug = [e for e in said if e["log_level"] != "debug"]
+    assert [e["log_level"] for e in above_debug] == ["warning"]
+    assert above_debug[0]["batcher_id"] == "fake"
