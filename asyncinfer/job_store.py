@@ -33,7 +33,7 @@ from asyncinfer.ids import is_job_id
 from asyncinfer.jobs import JobRecord
 from asyncinfer.nats import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError, NatsError
 from asyncinfer.nats.kv import KvBucket, kv_last_write, kv_latest, kv_put_expecting
-from asyncinfer.nats.streams import last_stored
+from asyncinfer.nats.streams import delete_message, last_stored, next_headers
 
 log = structlog.get_logger("asyncinfer.job_store")
 
@@ -165,19 +165,32 @@ class JobStore:
         return decode_job(key, data, revision)
 
     async def drop_work_message(self, record: JobRecord) -> None:
-        """Purges the job's work message: for a job whose record in the bucket ended while it was
+        """Deletes the job's work message: for a job whose record in the bucket ended while it was
         queued (cancelled), whose message would otherwise count as queued until a dispatch pulls
         it. Never for a job that may run: the message is what runs it again after a lapsed lease.
 
-        By the job's own subject (its model's and priority's), which its queue's consumer's filter
-        holds: nats-server then lets go of the consumer's delivery of it as well. A purge by a
+        Found by the job's own subject (its model's and priority's), deleted by its sequence:
+        nats-server then lets go of the consumer's delivery of it as well (as a term). A purge by a
         subject wider than that filter (`asyncinfer.work.*.*.<tenant>.<job>`) left a message that
         was delivered and put back pending on the consumer (its ack pending, which KEDA's
         nats-jetstream lag and the gateway's max_queue_depth count) until its delay ran out (a
         retry's backoff, up to 300 s) or a pull came for it (never, with no batcher)."""
         subject = job_work_subject(record.model_name, record.priority, record.tenant, record.job_id)
+        # Deleted by sequence, not purged by subject: nats-server (2.15.1) handles a subject purge
+        # narrower than a consumer's filter by raising the consumer's delivered ack floor to the
+        # purged delivery's, past older deliveries still pending; the next ack then moved the ack
+        # floor above them and they were dropped from pending, left in WORK, never delivered again
+        # (docs/ARCHITECTURE.md, "Work messages stranded below their consumer's ack floor";
+        # bench/nats_purge_strands.py). A delete lets go of its own delivery alone, as a term does.
+        nc = self._bucket.js._nc
         try:
-            await self._bucket.js.purge_stream(self._work_stream, subject=subject)
+            seq = 1
+            while (
+                found := await next_headers(nc, self._work_stream, subject, from_seq=seq, timeout_s=5.0)
+            ) is not None:
+                seq = found[0]
+                await delete_message(nc, self._work_stream, seq, timeout_s=5.0)
+                seq += 1
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot drop the job's work message: {exc}") from exc
 

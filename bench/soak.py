@@ -206,7 +206,7 @@ class Workload:
     calls: int = 0
 
 
-def soak_config(nats_url: str, ports: dict[str, int], index: int) -> Config:
+def soak_config(nats_url: str, ports: dict[str, int], index: int, log_level: str = "info") -> Config:
     config = Config()
     demo = {**config.models[0].model_dump(), "max_attempts": MAX_ATTEMPTS}
     slow = {**demo, "name": SLOW_MODEL, "loader": "services.batcher.models.demo:build_slow_model"}
@@ -230,7 +230,7 @@ def soak_config(nats_url: str, ports: dict[str, int], index: int) -> Config:
             "shutdown_grace_s": 1.0,
         },
         batches={"chunk_records": 16, "chunks_in_flight": 2, "drive_interval_s": 0.2, "adopt_interval_s": 0.5},
-        logging={"level": "info", "format": "json"},
+        logging={"level": log_level, "format": "json"},
         models=[demo, slow],
     )
 
@@ -683,15 +683,26 @@ def traceback_excerpt(text: str) -> str:
     return text[max(0, at - 300) : at + 2500]
 
 
-async def soak(seed: int, duration_s: float, rate: float, drain_s: float, workdir: Path, nats_chaos: bool) -> int:
+async def soak(
+    seed: int,
+    duration_s: float,
+    rate: float,
+    drain_s: float,
+    workdir: Path,
+    nats_chaos: bool,
+    nats_trace: bool = False,
+    log_level: str = "info",
+) -> int:
     findings = Findings()
-    nats = NatsServerProcess(store_dir=workdir / "nats", log_file=workdir / "nats.log")
+    # -DV: every protocol operation the server receives and sends (payloads too) into nats.log.
+    trace = ("-DV",) if nats_trace else ()
+    nats = NatsServerProcess(store_dir=workdir / "nats", log_file=workdir / "nats.log", extra_args=trace)
     nats.start()
     ports = {f"{kind}-{i}": free_port() for kind in KINDS for i in (1, 2)}
     services: dict[str, Service] = {}
     for i in (1, 2):
         config_file = workdir / f"asyncinfer-{i}.toml"
-        config_file.write_text(render_default_config(soak_config(nats.url, ports, i)))
+        config_file.write_text(render_default_config(soak_config(nats.url, ports, i, log_level)))
         for kind in KINDS:
             services[f"{kind}-{i}"] = Service(kind, i, config_file, workdir, ports[f"{kind}-{i}"])
     history, workload, counts = History(), Workload(), ChaosCounts()
@@ -759,11 +770,26 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=30.0, help="jobs a second, about")
     parser.add_argument("--drain-s", type=float, default=120.0, help="longest wait for every job to end")
     parser.add_argument("--nats-chaos", action="store_true", help="kill -9 and SIGSTOP the nats-server too")
+    parser.add_argument(
+        "--nats-trace", action="store_true", help="the nats-server traces every protocol operation into nats.log"
+    )
+    parser.add_argument("--log-level", default="info", help="the services' logging.level (debug for every line)")
     parser.add_argument("--workdir", type=Path, default=None, help="logs and the NATS store (kept)")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix=f"soak-{args.seed}-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    code = asyncio.run(soak(args.seed, args.duration_s, args.rate, args.drain_s, workdir, args.nats_chaos))
+    code = asyncio.run(
+        soak(
+            args.seed,
+            args.duration_s,
+            args.rate,
+            args.drain_s,
+            workdir,
+            args.nats_chaos,
+            args.nats_trace,
+            args.log_level,
+        )
+    )
     if code == 0 and args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
     else:
