@@ -33,7 +33,7 @@ from asyncinfer.ids import is_job_id
 from asyncinfer.jobs import JobRecord
 from asyncinfer.nats import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError, NatsError
 from asyncinfer.nats.kv import KvBucket, kv_last_write, kv_latest, kv_put_expecting
-from asyncinfer.nats.streams import delete_message, last_stored, next_headers
+from asyncinfer.nats.streams import delete_messages_on, last_stored
 
 log = structlog.get_logger("asyncinfer.job_store")
 
@@ -176,21 +176,8 @@ class JobStore:
         nats-jetstream lag and the gateway's max_queue_depth count) until its delay ran out (a
         retry's backoff, up to 300 s) or a pull came for it (never, with no batcher)."""
         subject = job_work_subject(record.model_name, record.priority, record.tenant, record.job_id)
-        # Deleted by sequence, not purged by subject: nats-server (2.15.1) handles a subject purge
-        # narrower than a consumer's filter by raising the consumer's delivered ack floor to the
-        # purged delivery's, past older deliveries still pending; the next ack then moved the ack
-        # floor above them and they were dropped from pending, left in WORK, never delivered again
-        # (docs/ARCHITECTURE.md, "Work messages stranded below their consumer's ack floor";
-        # bench/nats_purge_strands.py). A delete lets go of its own delivery alone, as a term does.
-        nc = self._bucket.js._nc
-        try:
-            seq = 1
-            while (
-                found := await next_headers(nc, self._work_stream, subject, from_seq=seq, timeout_s=5.0)
-            ) is not None:
-                seq = found[0]
-                await delete_message(nc, self._work_stream, seq, timeout_s=5.0)
-                seq += 1
+        try:  # by sequence, not a subject purge, which stranded older deliveries (delete_messages_on)
+            await delete_messages_on(self._bucket.js, self._work_stream, subject, timeout_s=5.0)
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot drop the job's work message: {exc}") from exc
 

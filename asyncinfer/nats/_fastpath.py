@@ -207,6 +207,13 @@ async def request(
     return msg
 
 
+def jetstream_client(context: JetStreamContext) -> Client:
+    """The connection a JetStream context was made on (nats-py keeps it private): for the requests
+    the adapter makes itself, such as a message's delete without the secure erase."""
+    client: Client = context._nc
+    return client
+
+
 async def js_publish(
     js: JetStreamContext,
     subject: str,

@@ -34,6 +34,7 @@ from asyncinfer.contract import (
     stream_msg_get_subject,
 )
 from asyncinfer.errors import Unavailable
+from asyncinfer.nats import _fastpath
 from asyncinfer.nats.protocol import NO_PLACEMENT_CODES, STORE_FULL_CODES
 from asyncinfer.nats.requests import js_publish
 
@@ -484,6 +485,21 @@ async def nak_delivery(nc: Client, ack_subject: str) -> None:
     """Naks a delivered message by its ack subject, whoever received it: JetStream redelivers it
     at once (if that delivery is still the one pending; otherwise the nak is ignored)."""
     await nc.publish(ack_subject, b"-NAK")
+
+
+async def delete_messages_on(js: JetStreamContext, stream: str, subject: str, *, timeout_s: float) -> int:
+    """Deletes, each by its sequence, the stream's messages on `subject` (found next by subject);
+    how many. Not a purge by subject: nats-server (2.15.1) handles a purge narrower than a
+    consumer's filter by raising the consumer's delivered ack floor to the purged delivery's, past
+    older deliveries still pending, which were then dropped from pending and never delivered again
+    (bench/nats_purge_strands.py). A delete lets go of its own delivery alone, as a term does."""
+    nc = _fastpath.jetstream_client(js)
+    deleted, seq = 0, 1
+    while (found := await next_headers(nc, stream, subject, from_seq=seq, timeout_s=timeout_s)) is not None:
+        seq = found[0]
+        deleted += await delete_message(nc, stream, seq, timeout_s=timeout_s)
+        seq += 1
+    return deleted
 
 
 async def messages_between(

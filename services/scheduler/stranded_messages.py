@@ -4,10 +4,12 @@ A WorkQueue stream removes a message when its consumer acks it, so a message at 
 consumer's ack floor should not exist. The chaos soak (bench/soak.py, session 38) found such messages:
 in 3 runs of 15, 2 to 4 jobs that a killed scheduler or a lost batcher had put back, or that AckWait
 had redelivered, sat in WORK below the floor of their consumer with nothing pending, so nats-server
-never delivered them again, and their records stayed QUEUED or RUNNING for good. What acked them
-without removing them is not known yet (nats-server 2.15.1 removes a message on ack, term and
-delete alike in every experiment tried: docs/ARCHITECTURE.md). Whatever the cause, this sweep gives
-such a job back its run:
+never delivered them again, and their records stayed QUEUED or RUNNING for good. The cause,
+found the same session: a queued job's cancel purged its message by its own subject, and nats-server
+2.15.1 handles a purge narrower than a consumer's filter by raising the consumer's delivered ack
+floor past older deliveries still pending (bench/nats_purge_strands.py; JobStore.drop_work_message
+now deletes by sequence). This sweep stays as the backstop, for messages stranded so before the fix
+and for any other cause:
 
 Every CHECK_INTERVAL_S, per (model, priority) queue: the consumer's ack floor, then the queue's
 messages at or below it (one next-by-subject read finds none in the normal case). A message found
