@@ -31,7 +31,7 @@ from services.gateway.app import GatewayApp
 from tests import recovering_model
 from tests.browser import Browser
 from tests.stack import Stack, StartStack
-from tests.test_up_grpcurl import close, start_up, write_config
+from tests.test_up_grpcurl import close, start_on_free_ports
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -716,8 +716,7 @@ async def test_the_queue_page_updates_after_jobs_are_submitted(
 def test_up_prints_the_console_url_and_serves_the_models(tmp_path: Path) -> None:
     import asyncio
 
-    config_path, ports = write_config(tmp_path)
-    up = start_up(config_path, ports, tmp_path)
+    up, _config_path, _ports = start_on_free_ports(tmp_path)
     try:
         found = re.search(r"web console\s+(http://127\.0\.0\.1:\d+/)", up.banner)
         assert found is not None, up.banner

@@ -115,6 +115,26 @@ port = 0
 
 
 _RUNS = itertools.count(1)
+# Tries of start_on_free_ports: each port a free one when chosen, another test's process may bind it
+# before `up` does (its ephemeral ports come from the same range; CI, 3 workers, once).
+PORT_TRIES = 3
+
+
+class PortTaken(AssertionError):
+    """`up` refused to start: a port chosen free was taken before it bound it."""
+
+
+def start_on_free_ports(folder: Path, *, args: tuple[str, ...] = ()) -> tuple[UpProcess, Path, dict[str, int]]:
+    """`up` on ports free when chosen, chosen again if one was taken meanwhile: (its process, its
+    configuration file, its ports)."""
+    for attempt in range(1, PORT_TRIES + 1):
+        config_path, ports = write_config(folder)
+        try:
+            return start_up(config_path, ports, folder, args=args), config_path, ports
+        except PortTaken:
+            if attempt == PORT_TRIES:
+                raise
+    raise AssertionError("unreachable")
 
 
 def start_up(config_path: Path, ports: dict[str, int], cwd: Path, *, args: tuple[str, ...] = ()) -> UpProcess:
@@ -158,7 +178,10 @@ def start_up(config_path: Path, ports: dict[str, int], cwd: Path, *, args: tuple
         if line is None:
             code = process.wait()
             close_stdout()
-            raise AssertionError(f"asyncinfer up exited early with {code}: {''.join(banner)}{stderr.read_text()}")
+            said = f"asyncinfer up exited early with {code}: {''.join(banner)}{stderr.read_text()}"
+            if code == 2 and "already in use" in said:
+                raise PortTaken(said)
+            raise AssertionError(said)
         banner.append(line)
         if line.startswith("Ctrl-C"):
             break
@@ -233,8 +256,7 @@ def json_stream(text: str) -> list[dict[str, object]]:
 
 @pytest.fixture
 def up_process(tmp_path: Path) -> Iterator[tuple[UpProcess, Path, dict[str, int]]]:
-    config_path, ports = write_config(tmp_path)
-    running = start_up(config_path, ports, tmp_path)
+    running, config_path, ports = start_on_free_ports(tmp_path)
     try:
         yield running, config_path, ports
     finally:

@@ -38,6 +38,7 @@ from tests.test_up_grpcurl import (
     ctrl_c,
     grpcurl,
     json_stream,
+    start_on_free_ports,
     start_up,
     write_config,
 )
@@ -78,8 +79,7 @@ def run_up_once(config_path: Path, cwd: Path) -> subprocess.CompletedProcess[str
 
 def up_in(folder: Path) -> Iterator[UpProcess]:
     """An `up` running in `folder` (its configuration and store there) until the generator ends."""
-    config_path, ports = write_config(folder)
-    running = start_up(config_path, ports, folder)
+    running, _config_path, _ports = start_on_free_ports(folder)
     try:
         yield running
     finally:
