@@ -689,13 +689,19 @@ def test_jobs_ahead_interpolates_between_the_oldest_and_the_newest() -> None:
     assert jobs_ahead(record_at(1061.0), snap) == 11  # after the snapshot
 
 
-async def paused_burst(stack: Stack, count: int) -> list[job_pb2.Job]:
-    """The demo model's queue paused, then `count` jobs submitted one after another: their QUEUED records."""
+async def paused_burst(stack: Stack, count: int, spacing_s: float = 0.0) -> list[job_pb2.Job]:
+    """The demo model's queue paused, then `count` jobs submitted one after another (`spacing_s`
+    between one's answer and the next submit): their QUEUED records."""
     async with grpc.aio.insecure_channel(stack.ops_address) as channel:
         await ops_service_pb2_grpc.OpsServiceStub(channel).PauseQueue(
             ops_service_pb2.PauseQueueRequest(model_name=DEMO)
         )
-    return [(await stack.jobs.SubmitJob(submit_request())).job for _ in range(count)]
+    jobs: list[job_pb2.Job] = []
+    for index in range(count):
+        if index and spacing_s:
+            await asyncio.sleep(spacing_s)
+        jobs.append((await stack.jobs.SubmitJob(submit_request())).job)
+    return jobs
 
 
 @pytest.mark.parametrize("scheduler_ahead_s", [0.0, -60.0, 60.0])
@@ -752,7 +758,10 @@ async def test_a_paused_queue_places_each_job_of_a_burst_whatever_the_gateways_c
         batcher=False,
         gateway_wall_clock=lambda: time.time() + gateway_ahead_s,
     )
-    jobs = await paused_burst(stack, 8)
+    # 50 ms apart: a place is then 50 ms of the span, and what one create_time's publish round trip
+    # took more than another's (a few ms, tens on a loaded machine: CI24 placed one 2 off, 8 back
+    # to back spanning ~20 ms) stays under half of one.
+    jobs = await paused_burst(stack, 8, spacing_s=0.05)
     view = stack.gateway.queue_view
 
     def counted() -> bool:

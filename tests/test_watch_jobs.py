@@ -46,6 +46,7 @@ from asyncinfer.nats.kv import open_kv_bucket
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from services.gateway import batch_reads
+from services.gateway.app import GatewayApp
 from services.gateway.batch_reads import watch_jobs_responses
 from services.gateway.convert import job_to_proto
 from services.gateway.list_jobs import JobLister, ListPage, ListQuery
@@ -808,6 +809,53 @@ async def test_a_catch_up_listing_that_fails_to_the_end_says_what_it_met_and_its
         assert hint in (ended.value.hint or ""), str(ended.value)
     if later_tries == "hung":
         assert ended.value.code is grpc.StatusCode.DEADLINE_EXCEEDED, str(ended.value)
+
+
+async def test_a_catch_up_cut_short_after_a_reopen_keeps_the_hint_of_the_catch_up_before(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Session 39 (CI of session 38): a catch-up whose listings were refused ("Socket closed") ended
+    when the watch's deadline left no room for another wait; the stream reopened and answered, and
+    the next catch-up's first try was cut short by the deadline: "Deadline Exceeded" with no hint,
+    for each catch-up kept what it met for itself and the reopened stream's answer forgot the rest.
+    Here the first catch-up is refused until its stream ends (the gateway restarts again), and every
+    listing of the next gateway hangs: the watch ends DEADLINE_EXCEEDED with the hint of the
+    refusals before ("earlier tries: ...")."""
+    stack = await start_stack(config.replace(gateway={"port": free_port()}), batcher=False)
+    labels = {"run": "catch-up-hinted-after-a-reopen"}
+    refusing: GatewayApp | None = None
+    refusals = 0
+    refused_twice = asyncio.Event()
+    hung = 0
+
+    async def refused_then_hung(lister: JobLister, tenant: str, query: ListQuery) -> ListPage:
+        nonlocal refusals, hung
+        if stack.gateway is not refusing:
+            hung += 1
+            await asyncio.Event().wait()
+        refusals += 1
+        if refusals >= 2:
+            refused_twice.set()
+        raise GatewayUnavailable("Socket closed")
+
+    async with (
+        AsyncClient(stack.address, retry=FAST_RETRY, timeout_s=2.0) as client,
+        client.watch_jobs(labels=labels, timeout_s=8.0) as watch,
+    ):
+        await watch.ready()
+        monkeypatch.setattr(JobLister, "page", refused_then_hung)
+        await stack.restart_gateway(0.2)
+        refusing = stack.gateway
+        ending = asyncio.ensure_future(anext(watch))
+        await asyncio.wait_for(refused_twice.wait(), WAIT_S)
+        await stack.restart_gateway(0.2)
+        with pytest.raises(AsyncInferClientError) as ended:
+            await ending
+    assert hung >= 1, "the next gateway's catch-up listed"
+    assert ended.value.code is grpc.StatusCode.DEADLINE_EXCEEDED, str(ended.value)
+    assert (ended.value.hint or "").startswith("earlier tries: if the server is on TLS, give tls_ca_file="), str(
+        ended.value
+    )
 
 
 async def test_label_watches_ended_by_a_gateway_stop_reopen_on_the_next_gateway(

@@ -24,12 +24,14 @@ from asyncinfer.client.errors import (
     ended_at,
     from_rpc_error,
     make_error,
+    with_connection_hint,
     with_earlier_hint,
 )
 from asyncinfer.client.jobs_watch import (
     CATCH_UP_MAX_JOBS,
     CATCH_UP_PAGE_SIZE,
     LISTENING,
+    CatchUpTries,
     DeliveredRevisions,
     JobsWatch,
     Listening,
@@ -155,6 +157,7 @@ class JobWatches(JobCalls):
         since: datetime | None = None
         since_call: grpc.aio.UnaryStreamCall[Any, Any] | None = None  # whose late headers may say `since`
         delivered = DeliveredRevisions()
+        catch_up_tries = CatchUpTries()
         while True:
             watching = [job_id for job_id in ids if job_id not in done]
             if ids and not watching:
@@ -184,7 +187,9 @@ class JobWatches(JobCalls):
                             since = await headers_since(since_call) or since
                             since_call = None
                         attempts.answered()
-                        caught_up = self._missed_by_label_watch(labels, since, delivered, deadline, call)
+                        caught_up = self._missed_by_label_watch(
+                            labels, since, delivered, deadline, call, catch_up_tries
+                        )
                         async with contextlib.aclosing(caught_up):
                             async for job in caught_up:
                                 delivered.delivered(job)
@@ -198,7 +203,9 @@ class JobWatches(JobCalls):
                             and reopened.unconfirmed
                             and await said_listening(call, deadline.remaining())
                         ):
-                            caught_up = self._missed_by_label_watch(labels, since, delivered, deadline, call)
+                            caught_up = self._missed_by_label_watch(
+                                labels, since, delivered, deadline, call, catch_up_tries
+                            )
                             async with contextlib.aclosing(caught_up):
                                 async for job in caught_up:
                                     delivered.delivered(job)
@@ -249,6 +256,7 @@ class JobWatches(JobCalls):
         delivered: DeliveredRevisions,
         deadline: Deadline,
         stream: grpc.aio.Call,
+        tries: CatchUpTries,
     ) -> AsyncGenerator[Job, None]:
         """The jobs with `labels` whose latest record a reopened label watch has not delivered
         (jobs_watch.missed), as they stand: at most CATCH_UP_MAX_JOBS listed, newest first. Each
@@ -257,7 +265,7 @@ class JobWatches(JobCalls):
         listed = 0
         token = ""
         while True:
-            page = await self._catch_up_page(labels, token, deadline, stream)
+            page = await self._catch_up_page(labels, token, deadline, stream, tries)
             if page is None:
                 return
             for message in page.jobs:
@@ -278,17 +286,22 @@ class JobWatches(JobCalls):
                 return
 
     async def _catch_up_page(
-        self, labels: Mapping[str, str], token: str, deadline: Deadline, stream: grpc.aio.Call
+        self,
+        labels: Mapping[str, str],
+        token: str,
+        deadline: Deadline,
+        stream: grpc.aio.Call,
+        tries: CatchUpTries,
     ) -> job_service_pb2.ListJobsResponse | None:
         """One page of a catch-up's listing, retried with the policy's backoff and jitter (each try
-        with the client's call timeout, within the watch's); None when `stream` ended first."""
+        with the client's call timeout, within the watch's); None when `stream` ended first. `tries`:
+        what the watch's catch-ups met since one was answered."""
         request = job_service_pb2.ListJobsRequest(page_size=CATCH_UP_PAGE_SIZE, labels=dict(labels), page_token=token)
         attempt = 0
-        earlier: AsyncInferClientError | None = None
         while True:
             attempt += 1
             try:
-                return await self._stub.ListJobs(
+                page = await self._stub.ListJobs(
                     request, timeout=_unary_budget(deadline, self.timeout_s), metadata=self._metadata
                 )
             except asyncio.CancelledError:
@@ -300,20 +313,24 @@ class JobWatches(JobCalls):
                 # most telling error of the target's addresses and its hint (TLS, mutual TLS), and
                 # at the deadline what the listing met rather than "did not complete". A last try
                 # that the watch's deadline cut short (DEADLINE_EXCEEDED, on a busy machine) keeps
-                # the hint of the error the try before it met ("earlier tries: ...").
+                # the hint of what a try before it met ("earlier tries: ..."), in this catch-up or
+                # an earlier one of the watch (CatchUpTries).
                 if not catch_up_retries(error, self.retry) or not deadline.allows_sleep(
                     delay := self.retry.backoff_s(attempt, error)
                 ):
                     hinted = await self._hinted(error, deadline)
+                    tries.met(hinted)
                     raise with_earlier_hint(
-                        hinted, earlier, tls=self._tls, client_cert=self._client_cert
+                        hinted, tries.telling, tls=self._tls, client_cert=self._client_cert
                     ) from rpc_error
                 if stream.done():
                     return None
                 if self.retry.on_retry is not None:
                     self.retry.on_retry(error, delay)
-                if error.code is not grpc.StatusCode.DEADLINE_EXCEEDED:
-                    # What a try met, not one cut short by the client's call timeout (the catch-up
-                    # tries those again too): the hint a later DEADLINE_EXCEEDED keeps.
-                    earlier = error
+                # What a try met (a try cut short by the client's call timeout has no hint: the
+                # catch-up tries those again too): the hint a later DEADLINE_EXCEEDED keeps.
+                tries.met(with_connection_hint(error, tls=self._tls, client_cert=self._client_cert))
                 await asyncio.sleep(delay)
+            else:
+                tries.answered()
+                return page

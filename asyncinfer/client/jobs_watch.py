@@ -174,6 +174,26 @@ class DeliveredRevisions:
             self._revisions.popitem(last=False)
 
 
+class CatchUpTries:
+    """What a label watch's catch-up listings met since one was last answered: the latest error that
+    had a hint (a closed socket's "if the server is on TLS, give tls_ca_file="), which a try cut short
+    by the watch's deadline keeps ("earlier tries: ..."). Kept across catch-ups, not per listing: a
+    catch-up refused until its deadline left no room for a wait ends, the stream reopens (and
+    answers), and the next catch-up's first try may be the one cut short (CI, session 38: a
+    "Deadline Exceeded" with no hint after 5 s of refused listings)."""
+
+    def __init__(self) -> None:
+        self.telling: AsyncInferClientError | None = None
+
+    def met(self, error: AsyncInferClientError) -> None:
+        """A try's error, its hint (if any) already set: kept when it has one."""
+        if error.hint:
+            self.telling = error
+
+    def answered(self) -> None:
+        self.telling = None
+
+
 def missed(job: Job, delivered: DeliveredRevisions, since: datetime) -> bool:
     """Whether a job listed after a reconnect is news to the watch: newer than what it delivered of
     the job; for a job it delivered nothing of (or forgot), one that changed since the watch first
