@@ -189,7 +189,7 @@ async def test_every_metric_deploy_and_the_docs_name_is_exported_with_its_labels
     await nc.jetstream().update_stream(info.config)
     limited = ("asyncinfer_stream_limit_bytes", frozenset({("stream", stack_config.nats.dead_letter_stream)}))
     stored = ("asyncinfer_dead_letters_stored", frozenset({("model", "flaky")}))
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(30):
         while limited not in (after := await scrape_all(ports)) or after.get(stored) != 1:  # noqa: ASYNC110 - HTTP endpoints, no event
             await asyncio.sleep(0.05)  # the scheduler's next store round (every 0.1 s here)
     samples = exposed(after)

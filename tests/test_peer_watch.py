@@ -224,17 +224,20 @@ async def test_a_heartbeat_ended_in_order_leaves_nothing_in_the_bucket(
         queues = KvBucket(name=config.nats.queues_bucket, kv=await ensure_queues_bucket(js, config.nats), js=js)
         instance = SchedulerInstance("scheduler-test", "run1", queues)
         heard: list[KeyUpdate] = []
+        beat_heard = asyncio.Event()
         ended = asyncio.Event()
 
         def update(change: KeyUpdate) -> None:
             heard.append(change)
-            if change.removed:
-                ended.set()
+            (ended if change.removed else beat_heard).set()
 
         watch = KeyWatch(js, config.nats.queues_bucket, update, keys="scheduler.*", name="test")
         await watch.start()
         try:
             await instance.beat()
+            # Heard before the stop: the bucket keeps one message per key, so a beat the delete
+            # replaced before the watch's consumer reached it is never delivered (CI under load).
+            await asyncio.wait_for(beat_heard.wait(), 5)
             await instance.end()
             await asyncio.wait_for(ended.wait(), 5)  # watchers hear of the stop
         finally:
