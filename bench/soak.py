@@ -18,8 +18,10 @@ for every job to end and checks:
 - nothing SUCCEEDED ran more attempts than max_attempts;
 - no service exited but those the soak stopped, and no log holds a traceback or "exited 70".
 
-With --nats-chaos the bucket's watch (an ordered consumer) is remade across the server's restarts and
-may miss writes made meanwhile: the count of terminal writes is then a lower bound.
+With --nats-chaos the bucket's watch (an ordered consumer) is remade after each reconnect from the
+stream sequence after the last write it delivered, so it sees every write the bucket still holds; a
+write replaced before the watch came back (the bucket keeps one a key) is counted in the summary
+(`watch_missed`), and while that is 0 the checks saw every write.
 
 It prints a summary (jobs, kills, restarts, the longest a job went without a write, findings) and
 exits 1 when there is a finding. The logs stay in --workdir (a temporary folder by default, kept
@@ -55,7 +57,8 @@ from asyncinfer.codecs.record import decode_record
 from asyncinfer.config import Config, render_default_config
 from asyncinfer.embedded_nats import NatsServerProcess, free_port
 from asyncinfer.jobs import JobRecord, JobState
-from asyncinfer.nats.connection import connect
+from asyncinfer.nats import KV_OP, DeliverPolicy, JetStreamContext, Msg, api
+from asyncinfer.nats.connection import connect, connection_changes
 from asyncinfer.v1 import (
     batch_service_pb2,
     batch_service_pb2_grpc,
@@ -77,6 +80,7 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 KINDS = ("gateway", "scheduler", "batcher")
 PRIORITIES = (job_pb2.PRIORITY_HIGH, job_pb2.PRIORITY_NORMAL, job_pb2.PRIORITY_LOW, job_pb2.PRIORITY_UNSPECIFIED)
 GRACEFUL_STOP_S = 20.0
+FIRST_CONNECT_WAIT_S = 120.0
 
 
 @dataclass
@@ -186,6 +190,10 @@ class History:
 
     writes: dict[str, list[tuple[float, JobRecord]]] = field(default_factory=dict)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
+    resumed: int = 0  # the watch remade after a reconnect
+    remade: asyncio.Event = field(default_factory=asyncio.Event)  # set at the first remake
+    written: asyncio.Event = field(default_factory=asyncio.Event)  # set at each write (a waiter clears it)
+    missed: int = 0  # stream sequences the watch never delivered (writes replaced while it was away)
 
     def last(self, key: str) -> JobRecord | None:
         records = self.writes.get(key)
@@ -211,7 +219,10 @@ def soak_config(nats_url: str, ports: dict[str, int], index: int, log_level: str
     demo = {**config.models[0].model_dump(), "max_attempts": MAX_ATTEMPTS}
     slow = {**demo, "name": SLOW_MODEL, "loader": "services.batcher.models.demo:build_slow_model"}
     return config.replace(
-        nats={"url": nats_url},
+        # As the Kubernetes configuration (deploy/k8s/generate_config.py): a service restarted while
+        # the nats-server is away waits for it. The default (0) gives up after 3 tries (exit 69), as
+        # `up` and the CLI want; a supervisor then starts it again (the soak's `back` as well).
+        nats={"url": nats_url, "first_connect_wait_s": FIRST_CONNECT_WAIT_S},
         gateway={"port": ports[f"gateway-{index}"], "metrics_port": 0},
         scheduler={
             "port": ports[f"scheduler-{index}"],
@@ -282,22 +293,63 @@ class Client:
 
 
 async def watch_jobs_bucket(nats_url: str, history: History) -> None:
+    """Every write of the jobs bucket into `history`, in stream order, through an ordered consumer
+    remade after each reconnect from the stream sequence after the last one it delivered (a
+    nats-server killed and started again loses the consumer, and nats-py's remake of it may not come
+    before the writes made meanwhile are gone): the bucket keeps one write a key, so a write
+    replaced before the watch came back is gone, and counted (`History.missed`: the sequences the
+    watch skipped)."""
     config = Config().replace(nats={"url": nats_url})
     nc = await connect(config.nats, name="soak-watch")
-    try:
-        js = nc.jetstream()
-        for _ in range(600):  # the bucket exists once a gateway or scheduler has started
-            try:
-                kv = await js.key_value(config.nats.jobs_bucket)
-                break
+    stream, prefix = f"KV_{config.nats.jobs_bucket}", f"$KV.{config.nats.jobs_bucket}."
+    last_seq = 0
+
+    async def on_write(msg: Msg) -> None:
+        nonlocal last_seq
+        seq = msg.metadata.sequence.stream
+        if seq <= last_seq:  # the consumer before a remake, or nats-py's own remake, again
+            return
+        history.missed += seq - last_seq - 1
+        last_seq = seq
+        if not msg.data or KV_OP in (msg.headers or {}):
+            return
+        key = msg.subject.removeprefix(prefix)
+        history.writes.setdefault(key, []).append((time.monotonic(), decode_record(msg.data)))
+        history.written.set()
+
+    async def subscribe() -> JetStreamContext.PushSubscription:
+        while True:  # the bucket exists once a gateway or scheduler has started; after a restart,
+            try:  # JetStream answers a little after the connection is back
+                return await js.subscribe(
+                    prefix + ">",
+                    stream=stream,
+                    cb=on_write,
+                    ordered_consumer=True,
+                    deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                    config=api.ConsumerConfig(opt_start_seq=last_seq + 1),
+                    idle_heartbeat=1.0,
+                )
             except Exception:
                 await asyncio.sleep(0.1)
-        watcher = await kv.watchall()
+
+    try:
+        js = nc.jetstream()
+        changes = connection_changes(nc)
+        subscription = await subscribe()
         history.ready.set()
-        async for entry in watcher:
-            if entry is None or not entry.value:
+        stale = False
+        while True:
+            changed = changes.next()
+            if stale and nc.is_connected:
+                with contextlib.suppress(Exception):
+                    await subscription.unsubscribe()
+                subscription = await subscribe()
+                history.resumed += 1
+                history.remade.set()
+                stale = False
                 continue
-            history.writes.setdefault(entry.key, []).append((time.monotonic(), decode_record(entry.value)))
+            await changed.wait()
+            stale = True
     finally:
         await nc.close()
 
@@ -595,6 +647,8 @@ async def check(
         "cancels": len(workload.cancels),
         "idempotent_keys": len(workload.idempotent),
         "watched_changes": workload.watched_changes,
+        "watch_resumed": history.resumed,
+        "watch_missed": history.missed,
         "longest_without_a_write_s": round(longest_gap, 1),
         "longest_without_a_write": longest_key,
         "refused": dict(workload.refused),
