@@ -21,7 +21,18 @@ AckExplicit, AckWait 1 s):
 In the soak the purge is a CancelJob's (asyncinfer.job_store.JobStore.drop_work_message, by the
 job's own subject) while its queue's consumer holds other jobs' deliveries.
 
-    .venv/bin/python -m bench.nats_purge_strands     # exits 1 when the message is stranded
+`--ttl-marker`: the same with no purge request of ours. A Limits stream with per-message TTLs,
+subject delete markers and one message a subject (SubjectDeleteMarkerTTL, MaxMsgsPerSubject 1: as
+the jobs and models buckets have); w.a.2 carries `Nats-TTL: 1s` and the AckWait is 3 s. When w.a.2
+expires the server places its delete marker, which carries `Nats-Rollup: sub`, and the rollup is
+the same subject purge (stream.go `processJetStreamMsgWithRollup` -> `purgeLocked`): A is stranded
+as well (in a Limits stream it stays stored, acked by no one, never delivered again). Without
+markers (a plain TTL removal, `--ttl-plain`) the expired delivery is let go of as a term and A
+comes back.
+
+    .venv/bin/python -m bench.nats_purge_strands                # exits 1 when the message is stranded
+    .venv/bin/python -m bench.nats_purge_strands --ttl-marker   # the server's own marker, no purge of ours
+    .venv/bin/python -m bench.nats_purge_strands --ttl-plain    # a TTL without markers: not stranded
 """
 
 from __future__ import annotations
@@ -37,30 +48,41 @@ from nats.js import api
 from asyncinfer.embedded_nats import NatsServerProcess
 
 
-async def main() -> int:
+async def main(case: str) -> int:
     server = NatsServerProcess(store_dir=Path(tempfile.mkdtemp(prefix="purge-strands-")))
     server.start()
     try:
         nc = await nats.connect(server.url)
         js = nc.jetstream()
-        await js.add_stream(name="W", subjects=["w.>"], retention=api.RetentionPolicy.WORK_QUEUE)
+        ack_wait_s = 1 if case == "purge" else 3  # with TTLs: past the 1.6 s wait for w.a.2's expiry
+        if case == "purge":
+            await js.add_stream(name="W", subjects=["w.>"], retention=api.RetentionPolicy.WORK_QUEUE)
+        else:
+            stream_config = api.StreamConfig(name="W", subjects=["w.>"], allow_msg_ttl=True, max_msgs_per_subject=1)
+            if case == "ttl-marker":
+                stream_config.subject_delete_marker_ttl = 60.0
+            await js.add_stream(stream_config)
         await js.add_consumer(
             "W",
             api.ConsumerConfig(
                 durable_name="c",
                 ack_policy=api.AckPolicy.EXPLICIT,
-                ack_wait=1,
+                ack_wait=ack_wait_s,
                 max_deliver=-1,
                 filter_subject="w.a.>",
             ),
         )
         for k in (1, 2, 3):
-            await js.publish(f"w.a.{k}", b"x")
+            ttl = {"Nats-TTL": "1s"} if k == 2 and case != "purge" else None
+            await js.publish(f"w.a.{k}", b"x", headers=ttl)
         sub = await js.pull_subscribe_bind("c", "W")
         _a, _p, x = await sub.fetch(3, timeout=2)
-        await js.purge_stream("W", subject="w.a.2")
+        if case == "purge":
+            await js.purge_stream("W", subject="w.a.2")
+        else:
+            await asyncio.sleep(1.6)  # w.a.2's TTL ends (with markers: its marker, a rollup, purges it)
         await x.ack_sync()
-        await asyncio.sleep(1.5)  # AckWait: checkPending runs
+        await asyncio.sleep(ack_wait_s + 0.5)  # AckWait: checkPending runs
         stream = await js.stream_info("W")
         consumer = await js.consumer_info("W", "c")
         print(
@@ -68,13 +90,19 @@ async def main() -> int:
             f"{consumer.ack_floor.stream_seq if consumer.ack_floor else None}, ack pending {consumer.num_ack_pending}, "
             f"pending {consumer.num_pending}"
         )
+        again = []
         try:
-            again = await sub.fetch(1, timeout=2)
-            print(f"delivered again: stream seq {again[0].metadata.sequence.stream}")
-            stranded = False
+            while True:  # with markers the marker itself (seq 4) is delivered too
+                got = (await sub.fetch(1, timeout=2))[0]
+                again.append(got.metadata.sequence.stream)
+                await got.ack_sync()
         except nats.errors.TimeoutError:
+            pass
+        stranded = 1 not in again
+        if again:
+            print(f"delivered again: stream seq(s) {again}")
+        if stranded:
             print("seq 1 is in the stream below the ack floor and never delivered again: stranded")
-            stranded = True
         await nc.close()
         return 1 if stranded else 0
     finally:
@@ -82,4 +110,5 @@ async def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    cases = {"--ttl-marker": "ttl-marker", "--ttl-plain": "ttl-plain"}
+    sys.exit(asyncio.run(main(cases.get(sys.argv[1], "purge") if len(sys.argv) > 1 else "purge")))
