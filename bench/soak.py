@@ -194,6 +194,7 @@ class History:
     remade: asyncio.Event = field(default_factory=asyncio.Event)  # set at the first remake
     written: asyncio.Event = field(default_factory=asyncio.Event)  # set at each write (a waiter clears it)
     missed: int = 0  # stream sequences the watch never delivered (writes replaced while it was away)
+    gaps: list[tuple[float, int]] = field(default_factory=list)  # (wall time, sequences skipped) of each gap
 
     def last(self, key: str) -> JobRecord | None:
         records = self.writes.get(key)
@@ -309,7 +310,9 @@ async def watch_jobs_bucket(nats_url: str, history: History) -> None:
         seq = msg.metadata.sequence.stream
         if seq <= last_seq:  # the consumer before a remake, or nats-py's own remake, again
             return
-        history.missed += seq - last_seq - 1
+        if seq > last_seq + 1:
+            history.missed += seq - last_seq - 1
+            history.gaps.append((time.time(), seq - last_seq - 1))
         last_seq = seq
         if not msg.data or KV_OP in (msg.headers or {}):
             return
@@ -649,6 +652,7 @@ async def check(
         "watched_changes": workload.watched_changes,
         "watch_resumed": history.resumed,
         "watch_missed": history.missed,
+        "watch_gaps": [f"{time.strftime('%H:%M:%S', time.gmtime(at))} {n}" for at, n in history.gaps[:20]],
         "longest_without_a_write_s": round(longest_gap, 1),
         "longest_without_a_write": longest_key,
         "refused": dict(workload.refused),
