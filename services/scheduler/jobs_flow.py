@@ -345,7 +345,7 @@ class JobFlow:
         until a dispatch pulls and drops it: counted meanwhile in its queue's depth, the desired
         batchers and its tenant's queued jobs (a paused queue, a backlog, a cancelled file batch's
         thousand chunks). Its message goes now. One still CANCELLING runs somewhere: its attempt's
-        end settles it. (Every scheduler hears the notice; the purge is idempotent.)"""
+        end settles it. (Every scheduler hears the notice; a second delete finds no message.)"""
         key = job_key(notice.tenant, notice.job_id)
         try:
             record = await self._store.recorded(key)
