@@ -18,10 +18,11 @@ for every job to end and checks:
 - nothing SUCCEEDED ran more attempts than max_attempts;
 - no service exited but those the soak stopped, and no log holds a traceback or "exited 70".
 
-With --nats-chaos the bucket's watch (an ordered consumer) is remade after each reconnect from the
-stream sequence after the last write it delivered, so it sees every write the bucket still holds; a
-write replaced before the watch came back (the bucket keeps one a key) is counted in the summary
-(`watch_missed`), and while that is 0 the checks saw every write.
+The bucket's watch (an ordered consumer) is remade after each reconnect (--nats-chaos) from the
+stream sequence after the last write it delivered, so it sees every write the bucket still holds. The
+bucket keeps one write a key: a write replaced before the watch's consumer got to it is never seen
+(~1 in 800 on the shared 2-core machine, bench/results/soak_session39.md; never a key's last write).
+The summary counts them (`watch_missed`, `watch_gaps`): while that is 0 the checks saw every write.
 
 It prints a summary (jobs, kills, restarts, the longest a job went without a write, findings) and
 exits 1 when there is a finding. The logs stay in --workdir (a temporary folder by default, kept
@@ -297,9 +298,9 @@ async def watch_jobs_bucket(nats_url: str, history: History) -> None:
     """Every write of the jobs bucket into `history`, in stream order, through an ordered consumer
     remade after each reconnect from the stream sequence after the last one it delivered (a
     nats-server killed and started again loses the consumer, and nats-py's remake of it may not come
-    before the writes made meanwhile are gone): the bucket keeps one write a key, so a write
-    replaced before the watch came back is gone, and counted (`History.missed`: the sequences the
-    watch skipped)."""
+    before the writes made meanwhile are gone). The bucket keeps one write a key, so a write replaced
+    before the consumer delivered it (the watch away, or behind) is gone, and counted
+    (`History.missed`: the sequences the watch skipped)."""
     config = Config().replace(nats={"url": nats_url})
     nc = await connect(config.nats, name="soak-watch")
     stream, prefix = f"KV_{config.nats.jobs_bucket}", f"$KV.{config.nats.jobs_bucket}."
