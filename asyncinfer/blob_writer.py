@@ -26,6 +26,7 @@ import json
 import os
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -71,6 +72,17 @@ SLOW_PUT_CHECKED_AFTER_S = 60.0
 ROLLUP_HEADERS: dict[str, Any] = {ROLLUP_HEADER: "sub"}
 
 
+@dataclass(frozen=True)
+class _StoredBytes:
+    """A put's bytes, stored and not yet visible: their SHA-256 (a hashlib object), size, count of
+    chunks (of the put's chunk_bytes) and `where`, the meta's headers saying where they lie."""
+
+    sha256: Any
+    size: int
+    chunks: int
+    where: dict[str, list[str]]
+
+
 class BlobWriter(BlobReader):
     """The puts of the claim-check store (put, put_bytes, put_pieces): the base of BlobStore
     (asyncinfer.blobs), which adds expiry, holds and deletes."""
@@ -96,24 +108,59 @@ class BlobWriter(BlobReader):
         meta is written. `before_commit` runs once every chunk
         is stored and before the meta makes the object visible; what it raises refuses the
         object the same way. `chunk_bytes`: the size of its stored chunks (its meta says so to
-        readers). With an objects' directory, the bytes go to a file of it instead (_put_file)."""
+        readers). The bytes go to the stream's chunks (_store_chunks) or, with an objects' directory, to a
+        file of it (_store_file); what follows is the same for both (_commit, or the discard)."""
         name = object_name(tenant, ref)
         nuid = chunks_name(tenant, ref)
+        discard: Callable[[], Awaitable[None]]
         if self.files is not None:
-            return await self._put_file(
-                self.files,
+            files = self.files
+            store = self._store_file(files, nuid, chunks, max_bytes=max_bytes, chunk_bytes=chunk_bytes)
+
+            async def discard() -> None:
+                await asyncio.shield(asyncio.to_thread(files.unlink, nuid))
+
+        else:
+            chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=nuid)
+            store = self._store_chunks(chunk_subject, nuid, chunks, max_bytes=max_bytes, chunk_bytes=chunk_bytes)
+
+            async def discard() -> None:
+                await self._purge_quietly(chunk_subject)
+
+        try:
+            stored = await store
+            previous = await self._commit(
                 name,
-                ref,
                 nuid,
-                chunks,
+                stored,
                 expires_at=expires_at,
-                max_bytes=max_bytes,
                 expected_sha256=expected_sha256,
                 expected_size=expected_size,
                 before_commit=before_commit,
                 chunk_bytes=chunk_bytes,
             )
-        chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=nuid)
+        except BaseException as exc:
+            await discard()
+            failure = _put_failure(exc)
+            if failure is None:
+                raise
+            raise failure from exc
+        if previous is not None and previous.nuid != nuid:
+            await self._remove_bytes_quietly(previous)
+        return BlobRef(ref=ref, size_bytes=stored.size, sha256=stored.sha256.hexdigest())
+
+    async def _store_chunks(
+        self,
+        chunk_subject: str,
+        nuid: str,
+        chunks: AsyncIterable[bytes | memoryview],
+        *,
+        max_bytes: int,
+        chunk_bytes: int,
+    ) -> _StoredBytes:
+        """put's way into the stream: the pieces cut into chunks of `chunk_bytes`, published a few
+        acks in flight, then checked still there (the sweep may have taken a slow put's). On any
+        failure every publish sent is seen through to its ack before it raises (put purges them)."""
         digest = hashlib.sha256()
         total = 0
         count = 0
@@ -129,7 +176,7 @@ class BlobWriter(BlobReader):
             count += 1
             if len(pending) >= PUBLISH_WINDOW:
                 # Shielded: a publish cancelled after it was sent may still land, and then the
-                # purge below could miss it; every publish is seen through to its ack instead.
+                # purge could miss it; every publish is seen through to its ack instead.
                 sequences.append(await asyncio.shield(pending[0]))
                 pending.pop(0)
 
@@ -156,108 +203,58 @@ class BlobWriter(BlobReader):
                 await send(bytes(buffer))
             sequences.extend(await asyncio.shield(asyncio.gather(*pending)))
             pending.clear()
-            if nuid.startswith(INPUT_KIND + "."):
-                await self._check_chunks_kept(chunk_subject, count)
-            elif sequences and time.monotonic() - started >= SLOW_PUT_CHECKED_AFTER_S:
-                await self._check_first_chunk_kept(chunk_subject, sequences[0])
-            previous = await self._commit(
-                name,
-                nuid,
-                digest,
-                total,
-                count,
-                {CHUNK_SEQUENCES_HEADER: [sequence_runs(sequences)]},
-                expires_at=expires_at,
-                expected_sha256=expected_sha256,
-                expected_size=expected_size,
-                before_commit=before_commit,
-                chunk_bytes=chunk_bytes,
-            )
-        except BaseException as exc:
+        except BaseException:
             await asyncio.gather(*pending, return_exceptions=True)
-            await self._purge_quietly(chunk_subject)
-            failure = _put_failure(exc)
-            if failure is None:
-                raise
-            raise failure from exc
-        if previous is not None and previous.nuid != nuid:
-            await self._remove_bytes_quietly(previous)
-        return BlobRef(ref=ref, size_bytes=total, sha256=digest.hexdigest())
+            raise
+        if nuid.startswith(INPUT_KIND + "."):
+            await self._check_chunks_kept(chunk_subject, count)
+        elif sequences and time.monotonic() - started >= SLOW_PUT_CHECKED_AFTER_S:
+            await self._check_first_chunk_kept(chunk_subject, sequences[0])
+        return _StoredBytes(digest, total, count, {CHUNK_SEQUENCES_HEADER: [sequence_runs(sequences)]})
 
-    async def _put_file(
+    async def _store_file(
         self,
         files: ObjectFiles,
-        name: str,
-        ref: str,
         nuid: str,
         chunks: AsyncIterable[bytes | memoryview],
         *,
-        expires_at: float,
         max_bytes: int,
-        expected_sha256: str,
-        expected_size: int | None,
-        before_commit: Callable[[], Awaitable[None]] | None,
         chunk_bytes: int,
-    ) -> BlobRef:
+    ) -> _StoredBytes:
         """put's way into the objects' directory: each piece written at its offset as it comes (no
         cut into chunks: that is for NATS's max_payload), then the same checks and meta as chunks
-        get, the meta saying BYTES_IN_HEADER. On any failure the file is unlinked, no meta written."""
+        get, the meta saying BYTES_IN_HEADER. On any failure put unlinks the file, no meta written."""
         digest = hashlib.sha256()
         total = 0
+        fd = files.create(nuid)
         try:
-            fd = files.create(nuid)
-            try:
-                async for piece in chunks:
-                    view = memoryview(piece).cast("B")
-                    if total + view.nbytes > max_bytes:
-                        raise upload_too_large(max_bytes, total + view.nbytes, declared=False)
-                    digest.update(view)
-                    # Awaited before the next piece is asked for: the caller cannot change it meanwhile.
-                    await off_loop(view.nbytes, write_all, fd, view, total)
-                    total += view.nbytes
-                # The sweep unlinks a file nothing wrote for its orphan bound (a put that died); a put
-                # that stalled that long (a paused process, a client idle between pieces) finds its
-                # file gone here, before a meta would name it, as the chunks' checks find theirs purged.
-                if os.fstat(fd).st_nlink == 0:
-                    kind = "UPLOAD" if nuid.startswith(INPUT_KIND + ".") else "RESULT"
-                    raise Unavailable(
-                        "the object's file was removed while it was stored (it stalled so long that the store's "
-                        "sweep took it for a dead put's): nothing was kept",
-                        reason=f"{kind}_CHUNKS_LOST",
-                    )
-            finally:
-                os.close(fd)
-            previous = await self._commit(
-                name,
-                nuid,
-                digest,
-                total,
-                -(-total // chunk_bytes),
-                {BYTES_IN_HEADER: [DIRECTORY]},
-                expires_at=expires_at,
-                expected_sha256=expected_sha256,
-                expected_size=expected_size,
-                before_commit=before_commit,
-                chunk_bytes=chunk_bytes,
-            )
-        except BaseException as exc:
-            await asyncio.shield(asyncio.to_thread(files.unlink, nuid))
-            failure = _put_failure(exc)
-            if failure is None:
-                raise
-            raise failure from exc
-        if previous is not None and previous.nuid != nuid:
-            await self._remove_bytes_quietly(previous)
-        return BlobRef(ref=ref, size_bytes=total, sha256=digest.hexdigest())
+            async for piece in chunks:
+                view = memoryview(piece).cast("B")
+                if total + view.nbytes > max_bytes:
+                    raise upload_too_large(max_bytes, total + view.nbytes, declared=False)
+                digest.update(view)
+                # Awaited before the next piece is asked for: the caller cannot change it meanwhile.
+                await off_loop(view.nbytes, write_all, fd, view, total)
+                total += view.nbytes
+            # The sweep unlinks a file nothing wrote for its orphan bound (a put that died); a put
+            # that stalled that long (a paused process, a client idle between pieces) finds its
+            # file gone here, before a meta would name it, as the chunks' checks find theirs purged.
+            if os.fstat(fd).st_nlink == 0:
+                kind = "UPLOAD" if nuid.startswith(INPUT_KIND + ".") else "RESULT"
+                raise Unavailable(
+                    "the object's file was removed while it was stored (it stalled so long that the store's "
+                    "sweep took it for a dead put's): nothing was kept",
+                    reason=f"{kind}_CHUNKS_LOST",
+                )
+        finally:
+            os.close(fd)
+        return _StoredBytes(digest, total, -(-total // chunk_bytes), {BYTES_IN_HEADER: [DIRECTORY]})
 
     async def _commit(
         self,
         name: str,
         nuid: str,
-        digest: Any,
-        total: int,
-        count: int,
-        where: dict[str, list[str]],
+        stored: _StoredBytes,
         *,
         expires_at: float,
         expected_sha256: str,
@@ -266,9 +263,10 @@ class BlobWriter(BlobReader):
         chunk_bytes: int,
     ) -> BlobInfo | None:
         """A put's end, its bytes stored: the declared size and SHA-256 checked, `before_commit`
-        run, then the meta (with `where`'s headers: where the bytes are) written; the object it
+        run, then the meta (with the stored bytes' `where` headers) written; the object it
         replaced, if any."""
-        sha256 = digest.hexdigest()
+        total = stored.size
+        sha256 = stored.sha256.hexdigest()
         if expected_size is not None and expected_size != total:
             message = f"the upload declared {expected_size} bytes but streamed {total}; nothing was kept"
             raise InvalidArgument(message, [FieldViolation("metadata.size_bytes", message)], reason="SIZE_MISMATCH")
@@ -283,10 +281,10 @@ class BlobWriter(BlobReader):
             bucket=self.bucket,
             nuid=nuid,
             size=total,
-            chunks=count,
+            chunks=stored.chunks,
             mtime=datetime.now(UTC).isoformat(),
-            digest=OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(digest.digest()).decode()),
-            headers={EXPIRES_HEADER: [repr(expires_at)], SHA256_HEADER: [sha256], **where},
+            digest=OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(stored.sha256.digest()).decode()),
+            headers={EXPIRES_HEADER: [repr(expires_at)], SHA256_HEADER: [sha256], **stored.where},
             options=api.ObjectMetaOptions(max_chunk_size=chunk_bytes),
         )
         await self._js.publish(
