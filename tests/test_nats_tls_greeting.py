@@ -27,6 +27,7 @@ from asyncinfer.embedded_nats import NatsServerProcess, free_port
 from asyncinfer.errors import ConfigError
 from asyncinfer.nats.connection import connect
 from tests.certs import TestCA
+from tests.tls_helpers import tls_nats_server
 
 # Each case below ends at its first attempt (~0.05 s); the wait it must not wait is 120 s.
 ENDS_WITHIN_S = 15.0
@@ -41,18 +42,8 @@ def ca(tmp_path: Path) -> TestCA:
 @pytest.fixture
 def verifying_nats(tmp_path: Path, ca: TestCA) -> Iterator[NatsServerProcess]:
     """A nats-server on TLS that verifies client certificates against `ca`."""
-    cert = ca.issue("nats")
-    server = NatsServerProcess(
-        store_dir=tmp_path / "nats",
-        extra_args=(
-            "--tls", "--tlscert", cert.cert_file, "--tlskey", cert.key_file, "--tlscacert", ca.ca_file, "--tlsverify",
-        ),
-    )  # fmt: skip
-    server.start()
-    try:
+    with tls_nats_server(tmp_path, ca) as server:
         yield server
-    finally:
-        server.stop()
 
 
 async def test_a_client_without_a_certificate_is_told_to_set_one_at_once_not_after_the_wait(

@@ -17,12 +17,11 @@ import grpc
 import pytest
 from nats.js.errors import NotFoundError
 
-from asyncinfer.codecs.record import decode_record
 from asyncinfer.config import DEMO_MODEL, Config, render_default_config
 from asyncinfer.contract import scheduler_key
 from asyncinfer.declarations import ensure_queues_bucket
 from asyncinfer.embedded_nats import NatsServerProcess, free_port
-from asyncinfer.jobs import JobRecord
+from asyncinfer.jobs import JobState
 from asyncinfer.nats.connection import connect
 from asyncinfer.nats.kv import KvBucket, kv_latest
 from asyncinfer.nats.kv_watch import KeyUpdate, KeyWatch
@@ -30,6 +29,7 @@ from asyncinfer.v1 import job_service_pb2, job_service_pb2_grpc, tensor_pb2
 from services.scheduler import instances, peer_watch
 from services.scheduler.instances import SchedulerInstance
 from services.scheduler.peer_watch import PeerWatch
+from tests.kv_helpers import JobWrites
 from tests.processes import Service, until
 from tests.test_crash import crash_config
 
@@ -143,33 +143,22 @@ async def test_a_live_scheduler_returns_the_jobs_of_a_killed_peer_in_seconds(
             port = ports["gateway"] if name == "gateway" else ports[f"{name}-{side}"]
             services[f"{name}-{side}"] = Service(name, config_file, folder, port)
     nc = await connect(Config().replace(nats={"url": nats_server.url}).nats, name="peer-watch-test")
-    writes: dict[str, list[tuple[float, JobRecord]]] = {}
-    watching_jobs = asyncio.Event()
-
-    async def watch() -> None:
-        kv = await nc.jetstream().key_value(Config().nats.jobs_bucket)
-        watcher = await kv.watchall()
-        watching_jobs.set()
-        async for entry in watcher:
-            if entry is not None and entry.value:
-                writes.setdefault(entry.key, []).append((time.monotonic(), decode_record(entry.value)))
+    jobs_bucket = JobWrites(nc)
 
     b_instance = f"{socket.gethostname()}:{ports['scheduler-b']}/"  # services.scheduler.instances
 
     def held_by_b() -> list[str]:
-        return [
-            key
-            for key, records in writes.items()
-            if records[-1][1].state.name == "RUNNING" and records[-1][1].dispatched_by.startswith(b_instance)
-        ]
+        return [key for key in jobs_bucket.keys_in(JobState.RUNNING) if held_by(key, b_instance)]
 
-    watcher: asyncio.Task[None] | None = None
+    def held_by(key: str, instance: str) -> bool:
+        record = jobs_bucket.latest(key)
+        return record is not None and record.dispatched_by.startswith(instance)
+
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{ports['gateway']}")
     try:
         for name in ("gateway-b", "scheduler-a", "scheduler-b", "batcher-a", "batcher-b"):
             await services[name].start()
-        watcher = asyncio.create_task(watch())
-        await asyncio.wait_for(watching_jobs.wait(), 10)
+        await jobs_bucket.start()
         stub = job_service_pb2_grpc.JobServiceStub(channel)
         x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
         x.contents.fp32_contents.extend([1, 2, 3, 4])
@@ -180,21 +169,15 @@ async def test_a_live_scheduler_returns_the_jobs_of_a_killed_peer_in_seconds(
         services["scheduler-b"].kill()  # its node lost: the scheduler and its batcher, not replaced
         services["batcher-b"].kill()
         stranded = held_by_b()
-
-        def ran_again(key: str) -> float | None:
-            return next((t for t, record in writes[key] if t > killed and record.state.name == "RUNNING"), None)
-
-        await until(lambda: all(ran_again(key) is not None for key in stranded), BACK_WITHIN_S)
-        slowest = max((ran_again(key) or 0.0) for key in stranded) - killed
+        await until(lambda: jobs_bucket.all_ran_again(stranded, killed), BACK_WITHIN_S)
+        slowest = jobs_bucket.slowest_again(stranded, killed)
         keys = [f"default.{job_id}" for job_id in jobs]
-        await until(lambda: all(key in writes and writes[key][-1][1].state.is_terminal for key in keys), 90)
+        await until(lambda: jobs_bucket.all_terminal(keys), 90)
     finally:
         await channel.close(None)
         for service in services.values():
             service.stop()
-        if watcher is not None:
-            watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
+        await jobs_bucket.stop()
         await nc.close()
     print(f"peer lost: {len(stranded)} RUNNING on it, the slowest ran again {slowest:.2f} s after the kill")
     lines = (tmp_path / "a" / "scheduler-1.log").read_text().splitlines()
@@ -205,9 +188,9 @@ async def test_a_live_scheduler_returns_the_jobs_of_a_killed_peer_in_seconds(
     assert [peer.startswith(b_instance) for peer in lost["peers"]] == [True], lost
     assert lost["jobs_returned"] >= len(stranded)
     assert slowest < BACK_WITHIN_S < ACK_WAIT_S
-    final = Counter(writes[key][-1][1].state.name for key in keys)
+    final = Counter(record.state.name for key in keys if (record := jobs_bucket.latest(key)) is not None)
     assert final == {"SUCCEEDED": JOBS}, final
-    assert max(sum(record.state.is_terminal for _, record in writes[key]) for key in keys) == 1
+    assert max(sum(record.state.is_terminal for _, record in jobs_bucket.writes[key]) for key in keys) == 1
 
 
 async def test_a_heartbeat_ended_in_order_leaves_nothing_in_the_bucket(

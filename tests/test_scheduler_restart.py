@@ -5,7 +5,6 @@ Every stranded job runs again before AckWait could have redelivered it, and ends
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import time
@@ -15,12 +14,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from asyncinfer.codecs.record import decode_record
 from asyncinfer.config import Config, render_default_config
 from asyncinfer.embedded_nats import NatsServerProcess, free_port
 from asyncinfer.jobs import JobState
 from asyncinfer.nats.connection import connect
 from asyncinfer.v1 import job_service_pb2, job_service_pb2_grpc, tensor_pb2
+from tests.kv_helpers import JobWrites
 from tests.processes import Service, until
 from tests.test_crash import crash_config
 
@@ -45,56 +44,33 @@ async def test_a_restarted_scheduler_returns_the_jobs_its_killed_predecessor_hel
     config_file.write_text(render_default_config(config))
     services = {name: Service(name, config_file, tmp_path, ports[name]) for name in ports}
     nc = await connect(Config().replace(nats={"url": nats_server.url}).nats, name="restart-test")
-    writes: dict[str, list[tuple[float, JobState, int]]] = {}
-    watching = asyncio.Event()
-
-    async def watch() -> None:
-        kv = await nc.jetstream().key_value(config.nats.jobs_bucket)
-        watcher = await kv.watchall()
-        watching.set()
-        async for entry in watcher:
-            if entry is None or entry.value is None:
-                continue
-            record = decode_record(entry.value)
-            writes.setdefault(entry.key, []).append((time.monotonic(), record.state, record.attempt))
-
-    def running() -> list[str]:
-        return [key for key, states in writes.items() if states[-1][1] == JobState.RUNNING]
-
-    watcher: asyncio.Task[None] | None = None
+    jobs_bucket = JobWrites(nc, config.nats.jobs_bucket)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{ports['gateway']}")
     try:
         for name in ("gateway", "scheduler", "batcher"):
             await services[name].start()
-        watcher = asyncio.create_task(watch())  # the bucket exists now
-        await asyncio.wait_for(watching.wait(), 10)
+        await jobs_bucket.start()  # the bucket exists now
         stub = job_service_pb2_grpc.JobServiceStub(channel)
         x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
         x.contents.fp32_contents.extend([1, 2, 3, 4])
         request = job_service_pb2.SubmitJobRequest(model_name="demo", inputs=[x])
         jobs = [(await stub.SubmitJob(request, timeout=10)).job.job_id for _ in range(JOBS)]
-        await until(lambda: len(running()) >= 32, 30)
+        await until(lambda: len(jobs_bucket.keys_in(JobState.RUNNING)) >= 32, 30)
         killed = time.monotonic()
         services["scheduler"].kill()
-        stranded = running()
+        stranded = jobs_bucket.keys_in(JobState.RUNNING)
         await services["scheduler"].start()
         restarted = time.monotonic() - killed
-
-        def ran_again(key: str) -> float | None:
-            return next((t for t, state, attempt in writes[key] if t > killed and state == JobState.RUNNING), None)
-
         # A hang guard under AckWait: only the new process's naks can run them again by then.
-        await until(lambda: all(ran_again(key) is not None for key in stranded), ACK_WAIT_S - 2)
-        slowest = max((ran_again(key) or 0.0) for key in stranded) - killed
+        await until(lambda: jobs_bucket.all_ran_again(stranded, killed), ACK_WAIT_S - 2)
+        slowest = jobs_bucket.slowest_again(stranded, killed)
         keys = [f"default.{job_id}" for job_id in jobs]
-        await until(lambda: all(key in writes and writes[key][-1][1].is_terminal for key in keys), 60)
+        await until(lambda: jobs_bucket.all_terminal(keys), 60)
     finally:
         await channel.close(None)
         for service in services.values():
             service.stop()
-        if watcher is not None:
-            watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
+        await jobs_bucket.stop()
         await nc.close()
     print(
         f"scheduler restart: {len(stranded)} RUNNING at the kill, restarted in {restarted:.2f} s, "
@@ -106,10 +82,10 @@ async def test_a_restarted_scheduler_returns_the_jobs_its_killed_predecessor_hel
     returned = {entry["job_id"] for entry in map(json.loads, lines) if entry.get("event") == "lease_returned"}
     assert {key.partition(".")[2] for key in stranded} <= returned
     assert slowest < ACK_WAIT_S
-    final = Counter(writes[key][-1][1] for key in keys)
+    final = Counter(record.state for key in keys if (record := jobs_bucket.latest(key)) is not None)
     assert final == {JobState.SUCCEEDED: JOBS}, final
-    assert max(sum(state.is_terminal for _, state, _ in writes[key]) for key in keys) == 1
-    assert all(max(attempt for _, _, attempt in writes[key]) == 2 for key in stranded)
+    assert max(sum(record.state.is_terminal for _, record in jobs_bucket.writes[key]) for key in keys) == 1
+    assert all(max(record.attempt for _, record in jobs_bucket.writes[key]) == 2 for key in stranded)
 
 
 @pytest.mark.unit

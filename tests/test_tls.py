@@ -32,6 +32,7 @@ from asyncinfer.nats.connection import connect
 from services.gateway.app import GatewayApp
 from tests.certs import TestCA, channel_credentials
 from tests.stack import StartStack
+from tests.tls_helpers import tls_nats_server
 
 ROOT = Path(__file__).resolve().parent.parent
 NATS_USER, NATS_PASSWORD = "asyncinfer", "nats-password-from-a-file"
@@ -49,21 +50,10 @@ def ca(tmp_path: Path) -> TestCA:
 @pytest.fixture
 def tls_nats(tmp_path: Path, ca: TestCA) -> Iterator[NatsServerProcess]:
     """A nats-server that requires TLS, verifies client certificates against the CA, and a password."""
-    cert = ca.issue("nats")
-    server = NatsServerProcess(
-        store_dir=tmp_path / "nats",
-        log_file=tmp_path / "nats.log",
-        extra_args=(
-            "--tls", "--tlscert", cert.cert_file, "--tlskey", cert.key_file,
-            "--tlscacert", ca.ca_file, "--tlsverify",
-            "--user", NATS_USER, "--pass", NATS_PASSWORD,
-        ),
-    )  # fmt: skip
-    server.start()
-    try:
+    with tls_nats_server(
+        tmp_path, ca, "--user", NATS_USER, "--pass", NATS_PASSWORD, log_file=tmp_path / "nats.log"
+    ) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def tls_config(tmp_path: Path, ca: TestCA, nats: NatsServerProcess) -> Config:
