@@ -19,8 +19,8 @@ from asyncinfer.batches import BatchState
 from asyncinfer.client._async import AsyncClient, tls_credentials
 from asyncinfer.client._enums import unknown_number
 from asyncinfer.client._retry import NO_RETRY, RetryPolicy
-from asyncinfer.client._sync import Client, StreamIterator
-from asyncinfer.client.batches import Batch, BatchError, BatchReadProgress
+from asyncinfer.client._sync import Client, JobListingIterator, StreamIterator
+from asyncinfer.client.batches import Batch, BatchError, BatchPage, BatchReadProgress
 from asyncinfer.client.errors import (
     AlreadyExistsError,
     AsyncInferClientError,
@@ -37,6 +37,7 @@ from asyncinfer.client.errors import (
     UnavailableError,
     UnimplementedError,
 )
+from asyncinfer.client.job_listing import JobListing
 from asyncinfer.client.jobs_watch import JobsWatch
 from asyncinfer.client.types import (
     BatchInfo,
@@ -70,6 +71,7 @@ __all__ = [
     "Batch",
     "BatchError",
     "BatchInfo",
+    "BatchPage",
     "BatchReadProgress",
     "BatchState",
     "BlobRef",
@@ -88,6 +90,8 @@ __all__ = [
     "Job",
     "JobError",
     "JobFailedError",
+    "JobListing",
+    "JobListingIterator",
     "JobProgress",
     "JobRequest",
     "JobState",

@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from asyncinfer.client._async_blobs import BlobCalls
 from asyncinfer.client._retry import checked_timeout
-from asyncinfer.client.batches import Batch, BatchCalls, create_batch_request, write_file
+from asyncinfer.client.batches import Batch, BatchCalls, BatchPage, create_batch_request, write_file
 from asyncinfer.client.errors import (
     AsyncInferClientError,
     DeadlineExceededError,
@@ -143,7 +143,15 @@ class BatchFiles(BlobCalls):
         return await self._batch_calls.get(batch)
 
     async def list_batches(self, *, page_size: int = 0, page_token: str = "") -> tuple[builtins.list[Batch], str]:
-        """One page of the caller's batches, newest first, and the next page's token ("" at the end)."""
+        """One page of the caller's batches, newest first, and the next page's token ("" at the end).
+        `list_batches_page` says too how many the gateway left out, unreadable."""
+        page = await self.list_batches_page(page_size=page_size, page_token=page_token)
+        return builtins.list(page.batches), page.next_page_token
+
+    async def list_batches_page(self, *, page_size: int = 0, page_token: str = "") -> BatchPage:
+        """One page of the caller's batches, newest first: with the next page's token ("" at the
+        end) and how many batches the gateway left out of it because it cannot decode their record
+        (`unreadable_skipped`)."""
         return await self._batch_calls.list(page_size=page_size, page_token=page_token)
 
     def watch_batch(self, batch: Batch | str, *, timeout_s: float | None = None) -> AsyncIterator[Batch]:

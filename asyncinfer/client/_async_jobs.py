@@ -40,6 +40,7 @@ from asyncinfer.client.errors import (
     UnimplementedError,
     make_error,
 )
+from asyncinfer.client.job_listing import JobListing
 from asyncinfer.client.types import BlobRef, Callback, Inputs, Job, JobRequest, JobState, ModelInfo, Priority
 from asyncinfer.tensors import Tensor, TensorSpec, as_one_row, typed_as
 from asyncinfer.v1 import job_service_pb2
@@ -359,7 +360,7 @@ class JobCalls(ClientChannel):
                 raise
         return await self.get(job, timeout_s=_unary_budget(deadline, self.timeout_s))
 
-    async def list(
+    def list(
         self,
         *,
         states: Iterable[JobState | str] = (),
@@ -368,31 +369,25 @@ class JobCalls(ClientChannel):
         page_size: int = 100,
         limit: int | None = None,
         timeout_s: float | None = None,
-    ) -> AsyncGenerator[Job, None]:
+    ) -> JobListing:
         """The caller's jobs, newest first, filtered; pages are fetched as you iterate (each page
-        is one call with its own `timeout_s`). `limit` stops after that many jobs."""
+        is one call with its own `timeout_s`). `limit` stops after that many jobs. The listing's
+        `unreadable_skipped` says how many the gateway left out, unreadable (JobListing)."""
         base = job_service_pb2.ListJobsRequest(
             page_size=page_size,
             states=[state_to_proto(_enum(JobState, s, "state")) for s in states],
             model_name=model,
             labels=dict(labels or {}),
         )
-        token = ""
-        yielded = 0
-        while True:
+
+        async def page(token: str) -> job_service_pb2.ListJobsResponse:
             request = job_service_pb2.ListJobsRequest()
             request.CopyFrom(base)
             request.page_token = token
 
             async def invoke(remaining: float | None) -> job_service_pb2.ListJobsResponse:
-                return await self._stub.ListJobs(request, timeout=remaining, metadata=self._metadata)  # noqa: B023
+                return await self._stub.ListJobs(request, timeout=remaining, metadata=self._metadata)
 
-            page = await self._call(invoke, self._deadline(timeout_s))
-            for message in page.jobs:
-                if limit is not None and yielded >= limit:
-                    return
-                yield job_from_proto(message)
-                yielded += 1
-            token = page.next_page_token
-            if not token or (limit is not None and yielded >= limit):
-                return
+            return await self._call(invoke, self._deadline(timeout_s))
+
+        return JobListing(page, limit=limit)

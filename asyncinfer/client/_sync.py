@@ -37,8 +37,9 @@ from asyncinfer.client._async import (
 )
 from asyncinfer.client._retry import RetryPolicy, checked_timeout
 from asyncinfer.client._targets import check_target
-from asyncinfer.client.batches import Batch
+from asyncinfer.client.batches import Batch, BatchPage
 from asyncinfer.client.errors import AsyncInferClientError
+from asyncinfer.client.job_listing import JobListing
 from asyncinfer.client.types import (
     BlobRef,
     BulkResult,
@@ -204,6 +205,19 @@ class StreamIterator(Iterator[T]):
 
         with contextlib.suppress(RuntimeError):  # the loop closed already (the interpreter exiting)
             client._loop.call_soon_threadsafe(close_there)
+
+
+class JobListingIterator(StreamIterator[Job]):
+    """What the blocking client's `list` returns: its jobs, and `unreadable_skipped`, how many the
+    pages fetched so far left out unreadable (asyncinfer.client.job_listing)."""
+
+    def __init__(self, client: Client, listing: JobListing) -> None:
+        super().__init__(client, listing)
+        self._listing = listing
+
+    @property
+    def unreadable_skipped(self) -> int:
+        return self._listing.unreadable_skipped
 
 
 class Client:
@@ -475,8 +489,9 @@ class Client:
         page_size: int = 100,
         limit: int | None = None,
         timeout_s: float | None = None,
-    ) -> StreamIterator[Job]:
-        return StreamIterator(
+    ) -> JobListingIterator:
+        """See `AsyncClient.list`; its `unreadable_skipped` is the listing's so far."""
+        return JobListingIterator(
             self,
             self._client.list(
                 states=tuple(states), model=model, labels=labels, page_size=page_size, limit=limit, timeout_s=timeout_s
@@ -537,6 +552,9 @@ class Client:
 
     def list_batches(self, *, page_size: int = 0, page_token: str = "") -> tuple[builtins.list[Batch], str]:
         return self._run(self._client.list_batches(page_size=page_size, page_token=page_token))
+
+    def list_batches_page(self, *, page_size: int = 0, page_token: str = "") -> BatchPage:
+        return self._run(self._client.list_batches_page(page_size=page_size, page_token=page_token))
 
     def watch_batch(self, batch: Batch | str, *, timeout_s: float | None = None) -> StreamIterator[Batch]:
         checked_timeout(timeout_s)  # here, not at the first `next`

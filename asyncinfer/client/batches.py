@@ -255,6 +255,18 @@ def create_batch_request(
     return request
 
 
+@dataclass(frozen=True, slots=True)
+class BatchPage:
+    """One page of ListBatches: the caller's batches, newest first; the next page's token ("" at
+    the end); and how many batches the gateway left out of it because it cannot decode their
+    record (a later release's, during a rolling upgrade, or a corrupted one: GetBatch answers each
+    InternalError BATCH_UNREADABLE). 0 from a gateway before session 39, which left them out unsaid."""
+
+    batches: tuple[Batch, ...]
+    next_page_token: str
+    unreadable_skipped: int = 0
+
+
 class BatchCalls:
     """The BatchService calls of one AsyncClient (its channel, metadata and retrying call)."""
 
@@ -297,14 +309,16 @@ class BatchCalls:
 
         return batch_from_proto((await self._call(invoke)).batch)
 
-    async def list(self, *, page_size: int = 0, page_token: str = "") -> tuple[list[Batch], str]:
+    async def list(self, *, page_size: int = 0, page_token: str = "") -> BatchPage:
         request = batch_service_pb2.ListBatchesRequest(page_size=page_size, page_token=page_token)
 
         async def invoke(remaining: float | None) -> batch_service_pb2.ListBatchesResponse:
             return await self._stub.ListBatches(request, timeout=remaining, metadata=self._metadata)
 
         response = await self._call(invoke)
-        return [batch_from_proto(b) for b in response.batches], response.next_page_token
+        return BatchPage(
+            tuple(batch_from_proto(b) for b in response.batches), response.next_page_token, response.unreadable_skipped
+        )
 
     async def watch(self, batch: Batch | str, *, timeout_s: float | None = None) -> AsyncIterator[Batch]:
         """The batch now, then each change, until it ends (at a state newer than this SDK too: the

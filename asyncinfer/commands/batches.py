@@ -42,6 +42,7 @@ from asyncinfer.commands.output import (
     more_than_these,
     print_json,
     print_table,
+    say_unreadable_skipped,
     to_json,
 )
 from asyncinfer.duration_text import duration_text
@@ -573,14 +574,17 @@ async def list_command(args: argparse.Namespace, options: Options) -> int:
     limit = args.limit or None
     batches: list[Batch] = []
     token = ""
+    unreadable = 0
     async with options.client() as client:
         # Page after page, as `list` does: a page may be short with a token (ListBatches reads past
         # withdrawals), and one page was all there was (--limit 0 showed 1 batch, past 100 none).
         # One batch past the limit is asked for, to say that more are left out.
         while True:
             wanted = limit + 1 - len(batches) if limit is not None else MAX_LIST_PAGE
-            page, token = await client.list_batches(page_size=min(wanted, MAX_LIST_PAGE), page_token=token)
-            batches += page
+            page = await client.list_batches_page(page_size=min(wanted, MAX_LIST_PAGE), page_token=token)
+            batches += page.batches
+            token = page.next_page_token
+            unreadable += page.unreadable_skipped
             if not token or (limit is not None and len(batches) > limit):
                 break
     more = limit is not None and len(batches) > limit
@@ -591,6 +595,7 @@ async def list_command(args: argparse.Namespace, options: Options) -> int:
             "--limit 0 all",
             file=sys.stderr,
         )
+    say_unreadable_skipped(unreadable, "batch(es)", "batch_unreadable")
     if options.json:
         for batch in batches:
             print_json(to_json(batch))

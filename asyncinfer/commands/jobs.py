@@ -55,6 +55,7 @@ from asyncinfer.commands.output import (
     print_json,
     print_table,
     report_error,
+    say_unreadable_skipped,
 )
 from asyncinfer.commands.stdin import read_stdin
 from asyncinfer.duration_text import duration_text
@@ -469,6 +470,7 @@ async def list_command(args: argparse.Namespace, options: Options) -> int:
             f"asyncinfer: {more_than_these(shown, 'jobs')} (newest first); --limit N shows more, --limit 0 all",
             file=sys.stderr,
         )
+    say_unreadable_skipped(jobs.unreadable_skipped, "job(s)", "job_unreadable")
     return EXIT_OK
 
 

@@ -182,6 +182,17 @@ def more_than_these(shown: int, things: str) -> str:
     return f"more {things} than this one" if shown == 1 else f"more {things} than these {shown}"
 
 
+def say_unreadable_skipped(count: int, things: str, event: str) -> None:
+    """A list's one line on stderr (beside the list: a script reads stdout) when the gateway left
+    out `count` of the `things` because it cannot decode their record; nothing when none."""
+    if count:
+        print(
+            f"asyncinfer: warning: the gateway left out {count} {things} it cannot read (a newer release's "
+            f"record, or a corrupted one): its log names each ({event})",
+            file=sys.stderr,
+        )
+
+
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 
 

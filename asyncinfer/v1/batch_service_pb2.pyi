@@ -645,9 +645,15 @@ class ListBatchesResponse(_message.Message):
 
     BATCHES_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    UNREADABLE_SKIPPED_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
     """Empty at the end. A page may be short with a token (AIP-158), but holds at least one batch
     unless it read 1,000 batch IDs past its page_token (withdrawals) without finding one.
+    """
+    unreadable_skipped: _builtins.int
+    """How many of the batches this page read past were left out because this gateway cannot decode
+    their record (a later release's, during a rolling upgrade, or a corrupted one; GetBatch answers
+    each INTERNAL BATCH_UNREADABLE). 0: none.
     """
     @_builtins.property
     def batches(self) -> _containers.RepeatedCompositeFieldContainer[Global___Batch]:
@@ -660,10 +666,11 @@ class ListBatchesResponse(_message.Message):
         *,
         batches: _abc.Iterable[Global___Batch] | None = ...,
         next_page_token: _builtins.str = ...,
+        unreadable_skipped: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "next_page_token", b"next_page_token", "unreadable_skipped", b"unreadable_skipped"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -800,8 +800,14 @@ class ListJobsResponse(_message.Message):
 
     JOBS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    UNREADABLE_SKIPPED_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
     """Empty on the last page."""
+    unreadable_skipped: _builtins.int
+    """How many of the jobs this page read past were left out because this gateway cannot decode
+    their record (a later release's, during a rolling upgrade, or a corrupted one; GetJob answers
+    each INTERNAL JOB_UNREADABLE). 0: none; the page holds every matching job it read.
+    """
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[_job_pb2.Job]:
         """Newest first. Not the idempotency fence's withdrawals (CANCELED IDEMPOTENCY_SUPERSEDED or
@@ -813,10 +819,11 @@ class ListJobsResponse(_message.Message):
         *,
         jobs: _abc.Iterable[_job_pb2.Job] | None = ...,
         next_page_token: _builtins.str = ...,
+        unreadable_skipped: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "next_page_token", b"next_page_token", "unreadable_skipped", b"unreadable_skipped"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

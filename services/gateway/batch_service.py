@@ -40,6 +40,7 @@ from asyncinfer.errors import (
 )
 from asyncinfer.ids import is_job_id, new_job_id
 from asyncinfer.job_store import JobStore, UnreadableOnce
+from asyncinfer.log_throttle import RepeatedLines
 from asyncinfer.nats import Client
 from asyncinfer.nats.streams import StoreFullError
 from asyncinfer.tracing import Tracing, traceparent_in
@@ -54,6 +55,7 @@ from services.gateway.batch_watch import watch_batch
 from services.gateway.callbacks import check_callback
 from services.gateway.idempotency import KEY_QUOTED_BYTES, KEY_REUSED_REASON
 from services.gateway.list_batches import batch_page
+from services.gateway.list_jobs import say_unreadable_skipped
 from services.gateway.model_catalog import ModelCatalog
 from services.gateway.store_health import store_full_error
 
@@ -104,6 +106,7 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         self._unreadable = UnreadableOnce(
             "list_batches", event="batch_unreadable"
         )  # ListBatches' records it cannot decode, said once each
+        self._skipped_lines = RepeatedLines()  # ListBatches' pages that left such records out
         self._driver = driver
         self._blobs = blobs
         self._records = records
@@ -437,10 +440,15 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         if request.page_token and not is_job_id(request.page_token):  # a token is the last batch ID of a page
             message = "invalid page_token: not a token from ListBatches"
             raise InvalidArgument(message, [FieldViolation("page_token", message)], reason="INVALID_PAGE_TOKEN")
-        records, token = await batch_page(
+        page = await batch_page(
             self._store, tenant, after=request.page_token or None, size=size, unreadable=self._unreadable
         )
-        return batch_service_pb2.ListBatchesResponse(batches=[self._proto(r) for r in records], next_page_token=token)
+        say_unreadable_skipped(self._skipped_lines, log, "ListBatches", tenant, page.unreadable_skipped)
+        return batch_service_pb2.ListBatchesResponse(
+            batches=[self._proto(r) for r in page.records],
+            next_page_token=page.next_page_token,
+            unreadable_skipped=page.unreadable_skipped,
+        )
 
     async def ReadBatchFile(
         self, request: batch_service_pb2.ReadBatchFileRequest, context: Context

@@ -34,7 +34,13 @@ from services.gateway.bulk_message import MessageSubmitter
 from services.gateway.callbacks import CallbackDeliveries
 from services.gateway.convert import job_to_proto, models_to_proto, submit_request_from_proto, submit_wait_s
 from services.gateway.idempotency import IdempotentSubmitter, SubmitOutcome
-from services.gateway.list_jobs import JobLister, ListQuery, estimated_bytes, list_query_from_proto
+from services.gateway.list_jobs import (
+    JobLister,
+    ListQuery,
+    estimated_bytes,
+    list_query_from_proto,
+    say_unreadable_skipped,
+)
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.progress_watch import ProgressFeed, progress_to_proto, record_progress, watch_with_progress
 from services.gateway.queue_view import QueueView, version_waiting_reason
@@ -380,8 +386,11 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         """One listing; its answer may go to several callers (never modified once made)."""
         self._metrics.list_jobs_listings.inc()
         page = await self._lister.page(tenant, query)
+        say_unreadable_skipped(self._repeated_lines, log, "ListJobs", tenant, page.unreadable_skipped)
         return job_service_pb2.ListJobsResponse(
-            jobs=[self._job(record) for record in page.records], next_page_token=page.next_page_token
+            jobs=[self._job(record) for record in page.records],
+            next_page_token=page.next_page_token,
+            unreadable_skipped=page.unreadable_skipped,
         )
 
     async def close(self) -> None:

@@ -5,7 +5,7 @@ chunk at a time. A withdrawal (asyncinfer.batches.is_withdrawn) is a fence, not 
 caller's, whose create was answered UNAVAILABLE or with the key's other batch, and a key read as
 no record (removed since it was listed) is none either: both are left out and read past. So is
 a record this release cannot decode (a later release's, during a rolling upgrade, or corrupted):
-the page still shows the others, as ListJobs does (a ListBatches answer has no per-batch error, and
+the page still shows the others and counts it (unreadable_skipped), as ListJobs does (a ListBatches answer has no per-batch error, and
 an error for the page stopped the listing there for as long as the record stayed); the gateway says
 it once per key (`batch_unreadable`), and GetBatch answers it INTERNAL BATCH_UNREADABLE.
 
@@ -17,6 +17,7 @@ and again. Once it holds one it may be short, with a token (AIP-158 allows it)."
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from asyncinfer.batches import BatchRecord, is_withdrawn
 from asyncinfer.job_store import UnreadableOnce
@@ -32,24 +33,37 @@ MAX_BATCHES_READ_PER_PAGE = 1000
 WIDER_BY = 4
 
 
-async def _readable(store: BatchStore, tenant: str, batch_id: str, unreadable: UnreadableOnce) -> BatchRecord | None:
+@dataclass(frozen=True)
+class BatchPage:
+    """A ListBatches page: its batches, newest first; the token of the page after them ("" at
+    the end); how many records it read past because it cannot decode them."""
+
+    records: list[BatchRecord]
+    next_page_token: str
+    unreadable_skipped: int
+
+
+async def _readable(
+    store: BatchStore, tenant: str, batch_id: str, unreadable: UnreadableOnce
+) -> BatchRecord | UnreadableBatch | None:
     try:
         return await store.get(tenant, batch_id)
     except UnreadableBatch as exc:
         unreadable.say(exc)
-        return None
+        return exc
 
 
 async def batch_page(
     store: BatchStore, tenant: str, *, after: str | None, size: int, unreadable: UnreadableOnce
-) -> tuple[list[BatchRecord], str]:
+) -> BatchPage:
     """The tenant's next `size` batches older than `after` (from the first when None), newest
-    first, and the token of the page after them ("" at the end)."""
+    first."""
     records: list[BatchRecord] = []
     last = after  # the last ID this page read: where the next page starts
     read = 0
     most = 2 * size  # enough to read past a few withdrawals in one look
     skipped = False
+    unreadable_skipped = 0
     while True:
         ids, older_left_out = await store.newest_ids(tenant, before=last, most=most)
         consumed = 0
@@ -60,6 +74,9 @@ async def batch_page(
             ):
                 consumed += 1
                 last = batch_id
+                if isinstance(record, UnreadableBatch):
+                    unreadable_skipped += 1
+                    record = None
                 if record is None or is_withdrawn(record):
                     skipped = True
                     continue
@@ -69,5 +86,5 @@ async def batch_page(
         read += consumed
         more = consumed < len(ids) or older_left_out
         if records or not more or read >= MAX_BATCHES_READ_PER_PAGE:
-            return records, (last or "") if more else ""
+            return BatchPage(records, (last or "") if more else "", unreadable_skipped)
         most = min(WIDER_BY * most, MAX_BATCHES_READ_PER_PAGE - read)

@@ -46,12 +46,14 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from asyncinfer.contract import tenant_work_subjects
 from asyncinfer.errors import FieldViolation, InvalidArgument, Unavailable
 from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import NATS_FAILURES, JobStore, UnreadableJob, UnreadableOnce
 from asyncinfer.jobs import JobRecord, JobState, job_key
+from asyncinfer.log_throttle import RepeatedLines
 from asyncinfer.nats import Client
 from asyncinfer.nats.streams import subject_pages
 from asyncinfer.v1 import job_pb2, job_service_pb2
@@ -101,6 +103,8 @@ class ListQuery:
 class ListPage:
     records: tuple[JobRecord, ...]
     next_page_token: str = ""
+    # How many of the records the page read it left out because it cannot decode them.
+    unreadable_skipped: int = 0
 
 
 def _bad_token(why: str) -> InvalidArgument:
@@ -178,6 +182,23 @@ def newest_first(recorded: list[str], queued: set[str], after: str | None, most:
     return sorted(queued.union(window), reverse=True)[:most]
 
 
+def say_unreadable_skipped(lines: RepeatedLines, logger: Any, listing: str, tenant: str, count: int) -> None:
+    """A page (of `listing`: ListJobs, ListBatches) that left out `count` records it cannot decode
+    says so beside the per-record lines (once per key): `list_unreadable_skipped` at warning, once
+    per interval per listing, the rest at debug (a client paging through them writes one a page).
+    Nothing when `count` is 0."""
+    if count:
+        lines.say(
+            logger,
+            "warning",
+            "list_unreadable_skipped",
+            kind=listing,
+            listing=listing,
+            tenant=tenant,
+            unreadable_skipped=count,
+        )
+
+
 class JobLister:
     def __init__(
         self,
@@ -224,16 +245,17 @@ class JobLister:
             raise Unavailable(f"cannot list the jobs: {exc}") from exc
         return newest.kept
 
-    async def _read(self, tenant: str, job_id: str) -> JobRecord | None:
-        """The job's record; None (left out of the page, said once in the log) when this release
-        cannot decode it: the page still shows the others (a ListJobs answer has no per-job
-        error, and an error for the page would stop the listing there for as long as the record
-        stays). GetJob and GetJobs answer that job INTERNAL JOB_UNREADABLE."""
+    async def _read(self, tenant: str, job_id: str) -> JobRecord | UnreadableJob | None:
+        """The job's record; the error (left out of the page, counted in its unreadable_skipped,
+        said once in the log) when this release cannot decode it: the page still shows the others
+        (a ListJobs answer has no per-job error, and an error for the page would stop the listing
+        there for as long as the record stays). GetJob and GetJobs answer that job INTERNAL
+        JOB_UNREADABLE."""
         try:
             record = await self._records.get(job_key(tenant, job_id))
         except UnreadableJob as exc:
             self._unreadable.say(exc)
-            return None
+            return exc
         return None if record is None else await self._expiry.settle(record)
 
     async def page(self, tenant: str, query: ListQuery) -> ListPage:
@@ -247,12 +269,16 @@ class JobLister:
         consumed = 0  # ids[:consumed] were returned or skipped; the token resumes after them
         filtered = bool(query.states or query.model_name or query.labels)
         skipped = False
+        unreadable = 0
         full = False
         while not full and consumed < len(ids) and consumed < MAX_RECORDS_READ_PER_PAGE:
             size = read_size(query.page_size - len(found), filtered=filtered, skipped=skipped)
             reading = ids[consumed : consumed + size]
             records = await asyncio.gather(*(self._read(tenant, job_id) for job_id in reading))
             for record in records:
+                if isinstance(record, UnreadableJob):
+                    unreadable += 1
+                    record = None
                 if record is not None and query.matches(record):
                     record_bytes = estimated_bytes(record)
                     if found and page_bytes + record_bytes > self._max_page_bytes:
@@ -267,4 +293,5 @@ class JobLister:
                     full = True
                     break
         more = consumed < len(ids)
-        return ListPage(tuple(found), encode_token(ids[consumed - 1], fingerprint) if more and consumed else "")
+        token = encode_token(ids[consumed - 1], fingerprint) if more and consumed else ""
+        return ListPage(tuple(found), token, unreadable)
