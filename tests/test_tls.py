@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -560,3 +562,61 @@ def test_a_certificate_file_without_a_certificate_is_named() -> None:
 
     with pytest.raises(ConfigError, match=r"gateway\.tls_cert_file '/nonexistent\.pem': cannot read"):
         not_after("/nonexistent.pem", "gateway.tls_cert_file")
+
+
+async def test_the_console_shows_the_days_left_on_the_certificates_the_gateway_and_the_scheduler_serve(
+    tmp_path: Path, ca: TestCA, tls_nats: NatsServerProcess, start_stack: StartStack
+) -> None:
+    """The services' gauge and the shipped alert reach an operator where Prometheus is; the console
+    said nothing of a certificate about to expire. Its TLS page shows, for the gateway and the
+    scheduler, when the certificate each serves expires (a handshake of its own: what a client is
+    served) and the days left, flagged under the alert's 14 days."""
+    import aiohttp
+
+    from services.console.app import ConsoleApp
+
+    config = tls_config(tmp_path, ca, tls_nats)
+    lasting = ca.issue("gateway-lasting", valid_days=40)
+    config = config.replace(gateway={"tls_cert_file": lasting.cert_file, "tls_key_file": lasting.key_file})
+    stack = await start_stack(config, batcher=False)
+    client = ca.issue("console")
+    console = ConsoleApp(
+        stack.config.replace(
+            console={
+                "port": 0,
+                "gateway_address": f"127.0.0.1:{stack.gateway.port}",
+                "scheduler_address": stack.ops_address,
+                "tls_ca_file": ca.ca_file,
+                "tls_cert_file": client.cert_file,  # the scheduler requires one
+                "tls_key_file": client.key_file,
+            }
+        )
+    )
+    await console.start()
+    try:
+        async with aiohttp.ClientSession() as session, session.get(console.url + "tls") as answer:
+            assert answer.status == 200
+            page = await answer.text()
+    finally:
+        await console.stop()
+    rows = re.findall(r"<tr><td>(\w+)</td><td>[^<]*</td><td><time datetime=\"([^\"]+)\".*?</td><td>([^<]*)</td>", page)
+    assert config.scheduler.tls_cert_file is not None
+    expected = {
+        "gateway": _not_after(lasting.cert_file),
+        "scheduler": _not_after(config.scheduler.tls_cert_file),
+    }
+    assert [name for name, _, _ in rows] == ["gateway", "scheduler"], page
+    shown = {name: datetime.fromisoformat(at.replace("Z", "+00:00")).timestamp() for name, at, _ in rows}
+    assert shown == pytest.approx(expected, abs=1)  # the page's times are to the millisecond
+    said = {name: days for name, _, days in rows}
+    assert re.fullmatch(r"(39\.\d|40\.0) days left", said["gateway"]), said
+    assert re.fullmatch(r"expires within 14 days: [01]\.\d days left", said["scheduler"]), said
+
+
+@pytest.mark.unit
+def test_the_console_says_days_left_and_flags_a_certificate_under_the_alerts_14_days() -> None:
+    from services.console.pages_tls import DAY_S, days_left
+
+    assert days_left(40 * DAY_S, 0.0) == "40.0 days left"
+    assert days_left(13.5 * DAY_S, 0.0) == "expires within 14 days: 13.5 days left"
+    assert days_left(0.0, 2 * DAY_S) == "expired 2.0 days ago"

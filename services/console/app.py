@@ -37,6 +37,7 @@ from services.console.pages_ops import (
     queue_action,
     queues_page,
 )
+from services.console.pages_tls import tls_page
 
 log = structlog.get_logger("asyncinfer.console")
 Page = Callable[[Context, web.Request], Awaitable[web.StreamResponse]]
@@ -262,6 +263,7 @@ class ConsoleApp:
                 ("GET", "/dead-letters", dead_letters_page),
                 ("GET", "/dead-letters/{sequence}", dead_letter_page),
                 ("POST", "/dead-letters/{action:replay|purge}", dead_letter_action),
+                ("GET", "/tls", tls_page),
             ]
             for method, path, handler in pages:
                 app.router.add_route(method, path, partial(handler, ctx))

@@ -34,6 +34,7 @@ from asyncinfer.v1 import (
     ops_service_pb2,
     ops_service_pb2_grpc,
 )
+from services.console.served_certificates import ServedCertificate, served_certificates
 
 T = TypeVar("T")
 CALL_TIMEOUT_S = 10.0
@@ -185,6 +186,11 @@ class Backend:
         closing = asyncio.create_task(retired.close(RETIRED_CHANNELS_GRACE_S), name="console-retired-channels")
         self._retiring[closing] = retired
         closing.add_done_callback(self._retiring.pop)
+
+    async def served_certificates(self) -> list[ServedCertificate]:
+        """The gateway's and the scheduler's serving certificates as this console is served them
+        (a handshake each, with its own TLS files): none in plaintext."""
+        return await served_certificates(self._config)
 
     async def close(self) -> None:
         """Closes the channels. The console closes its Backend once its pages and its sampler

@@ -110,6 +110,7 @@ NAV = (
     ("/batches", "Batches"),
     ("/dead-letters", "Dead letters"),
     ("/models", "Models"),
+    ("/tls", "TLS"),
 )
 
 
