@@ -220,8 +220,10 @@ async def test_a_password_in_the_nats_url_logs_in_and_no_error_shows_it(users: P
     with socket.socket() as closed:  # bound, never listening: connections are refused
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
+        # first_connect_wait_s 0: it gives up after 3 tries, not the default's 60 s.
+        away_settings = login(right, f"127.0.0.1:{port}").model_copy(update={"first_connect_wait_s": 0.0})
         with pytest.raises(Unavailable, match="cannot connect to NATS at") as away:
-            await connect(login(right, f"127.0.0.1:{port}"), name="stranger")
+            await connect(away_settings, name="stranger")
     assert right not in away.value.message
     assert f"nats://***@127.0.0.1:{port}:" in away.value.message
 

@@ -16,11 +16,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+from grpc_health.v1.health_pb2_grpc import HealthStub
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from asyncinfer.embedded_nats import NatsServerProcess, free_port
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
 from tests.hanging_models import CRASH_VALUE, HANG_VALUE
+from tests.processes import until
 
 BIN = Path(sys.executable).parent
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -150,6 +153,7 @@ def test_a_service_that_cannot_reach_nats_exits_unavailable(config_file: Path) -
         env = {
             **os.environ,
             "ASYNCINFER_NATS__URL": f"nats://127.0.0.1:{port}",
+            "ASYNCINFER_NATS__FIRST_CONNECT_WAIT_S": "0",  # 3 tries, not the default's 60 s wait
             "ASYNCINFER_SCHEDULER__PORT": "0",
             "ASYNCINFER_SCHEDULER__METRICS_PORT": "0",
         }
@@ -159,6 +163,110 @@ def test_a_service_that_cannot_reach_nats_exits_unavailable(config_file: Path) -
     assert last == f"asyncinfer: cannot connect to NATS at nats://127.0.0.1:{port}: [Errno 111] Connection refused"
     failed = json.loads(events[-1])
     assert (failed["event"], failed["level"], failed["reason"]) == ("start_failed", "error", "UNAVAILABLE")
+
+
+def start_before_nats(service: str, config_file: Path, tmp_path: Path) -> tuple[subprocess.Popen[str], int, int]:
+    """`asyncinfer <service>` with the configuration `asyncinfer config` prints (nothing set about
+    waiting), against a NATS port where nothing listens yet; its port, and NATS's."""
+    nats_port, port = free_port(), free_port()
+    env = {
+        **os.environ,
+        "ASYNCINFER_NATS__URL": f"nats://127.0.0.1:{nats_port}",
+        f"ASYNCINFER_{service.upper()}__PORT": str(port),
+        f"ASYNCINFER_{service.upper()}__METRICS_PORT": "0",
+        "ASYNCINFER_LOGGING__LEVEL": "debug",  # each failed try: a debug nats_error after the first
+    }
+    log = open(tmp_path / f"{service}.log", "w")  # noqa: SIM115 - closed once the process has it
+    try:
+        process = subprocess.Popen(
+            [str(BIN / "asyncinfer"), service, "--config", str(config_file)],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+        )
+    finally:
+        log.close()
+    return process, port, nats_port
+
+
+def tail(log: Path) -> str:
+    return log.read_text()[-3000:]
+
+
+def connect_events(log: Path) -> list[dict[str, object]]:
+    """The service's log lines about its first connect: nats_waiting_for_server, nats_error."""
+    events = []
+    for line in log.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            event = json.loads(line)
+            if isinstance(event, dict) and event.get("event") in ("nats_waiting_for_server", "nats_error"):
+                events.append(event)
+    return events
+
+
+async def past_the_tries_that_gave_up(process: subprocess.Popen[str], log: Path) -> list[dict[str, object]]:
+    """Waits until the service has failed more tries than a first connect without a wait gets
+    (it exited 69 then), or has exited; its connect events by then."""
+    from asyncinfer.nats.connection import FIRST_CONNECT_ATTEMPTS
+
+    await until(lambda: process.poll() is not None or len(connect_events(log)) > FIRST_CONNECT_ATTEMPTS, 60)
+    assert process.poll() is None, (process.returncode, tail(log))
+    return connect_events(log)
+
+
+@pytest.mark.parametrize("service", ["gateway", "scheduler"])
+async def test_a_service_started_before_nats_waits_for_it_and_serves(
+    service: str, config_file: Path, tmp_path: Path
+) -> None:
+    """nats.first_connect_wait_s (60 s by default; it was 0): a service started while NATS is not up
+    yet (systemd or compose start order, a NATS restart during a deploy) keeps trying it, saying so
+    naming the URL, and serves once it answers. It exited 69 after 3 tries (~1.5 s)."""
+    process, port, nats_port = start_before_nats(service, config_file, tmp_path)
+    server = NatsServerProcess(store_dir=tmp_path / "nats", port=nats_port)
+    try:
+        said = await past_the_tries_that_gave_up(process, tmp_path / f"{service}.log")
+        await asyncio.to_thread(server.start)
+        assert process.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), 60)
+        assert f"serving on 127.0.0.1:{port}" in line, (line, tail(tmp_path / f"{service}.log"))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = await HealthStub(channel).Check(HealthCheckRequest(), timeout=10)
+        assert reply.status == HealthCheckResponse.SERVING
+        waiting = [event for event in said if event["event"] == "nats_waiting_for_server"]
+        assert waiting, said
+        assert waiting[0]["level"] == "warning", waiting
+        assert waiting[0]["url"] == f"nats://127.0.0.1:{nats_port}", waiting
+        assert waiting[0]["gives_up_after_s"] == 60.0, waiting
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(process.wait, 30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+async def test_a_stop_signal_while_waiting_for_nats_ends_the_service_cleanly(
+    sig: signal.Signals, config_file: Path, tmp_path: Path
+) -> None:
+    """Waiting for a NATS that is not up yet (the default's 60 s) is a start-up step like any other:
+    SIGTERM or Ctrl-C ends it, exit 0, not once the wait has run out (exit 69)."""
+    process, _port, _nats_port = start_before_nats("gateway", config_file, tmp_path)
+    try:
+        await past_the_tries_that_gave_up(process, tmp_path / "gateway.log")
+        process.send_signal(sig)
+        # A hang guard below the wait (60 s): ignoring the signal, it would exit 69 once the wait ran out.
+        assert await asyncio.to_thread(process.wait, 30) == 0, tail(tmp_path / "gateway.log")
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
 
 
 def start_misbehaving_batcher(tmp_path: Path) -> tuple[subprocess.Popen[str], int]:

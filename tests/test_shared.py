@@ -219,8 +219,10 @@ async def test_bootstrap_is_idempotent(nc: NatsClient, config: Config) -> None:
 
 
 async def test_connect_fails_fast_without_a_server() -> None:
+    # first_connect_wait_s 0: 3 tries (the default waits 60 s for a NATS that is not up yet).
+    settings = NatsConfig(url=f"nats://127.0.0.1:{free_port()}", connect_timeout_s=0.5, first_connect_wait_s=0)
     with pytest.raises(Unavailable, match="cannot connect to NATS"):
-        await connect(NatsConfig(url=f"nats://127.0.0.1:{free_port()}", connect_timeout_s=0.5), name="test")
+        await connect(settings, name="test")
 
 
 def _server_with_a_login(tmp_path: Path, port: int = 0) -> NatsServerProcess:

@@ -151,7 +151,9 @@ async def test_nats_over_tls_needs_the_ca_and_credentials(
     await nc.close()
     # Without the CA: a clear error at its first attempt's TLS error, not once the first connect's
     # attempts are waited out (3 x 60.5 s and 60 s).
-    unverified = config.nats.model_copy(update={"tls_ca_file": None, "connect_timeout_s": 60.0})
+    unverified = config.nats.model_copy(
+        update={"tls_ca_file": None, "connect_timeout_s": 60.0, "first_connect_wait_s": 0.0}
+    )
     # Nor with a first connect that waits for an unreachable server (nats.first_connect_wait_s).
     for settings in (unverified, unverified.model_copy(update={"first_connect_wait_s": 120.0})):
         with pytest.raises(ConfigError, match=r"cannot be verified.*nats\.tls_ca_file"):  # not a retry's matter
@@ -177,7 +179,11 @@ async def test_a_nats_that_verifies_clients_names_the_client_certificate_setting
     69: an outage to wait out. Either way the answer now names what to set."""
     # Attempts whose broken pipe comes at the handshake's end can wait out their timeout: the
     # first connect's deadline, 3 x (2 + 0.5) + 2 s, stays well within the hang guard.
-    config = tls_config(tmp_path, ca, tls_nats).nats.model_copy(update={"connect_timeout_s": 2.0})
+    # first_connect_wait_s 0: an attempt whose alert goes unread (a broken pipe, not a TLS error) is
+    # an outage to wait for, and the default's 60 s would outlast the hang guard.
+    config = tls_config(tmp_path, ca, tls_nats).nats.model_copy(
+        update={"connect_timeout_s": 2.0, "first_connect_wait_s": 0.0}
+    )
     stranger = TestCA(tmp_path / "other-pki", name="another CA").issue("services")
     cases = {
         "none": (

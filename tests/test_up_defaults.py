@@ -43,6 +43,18 @@ def test_up_batcher_does_not_exit_for_a_hung_model_unless_the_file_says_so(tmp_p
     assert with_up_defaults(chosen).batcher.exit_after_overrun_s == 30.0
 
 
+def test_up_services_give_up_at_once_on_a_nats_they_cannot_reach_unless_the_file_says_otherwise(
+    tmp_path: Path,
+) -> None:
+    # `up` starts its own nats-server before them: one they cannot reach is not coming, and `up`
+    # said so after 3 tries before the default's wait (60 s, for a NATS started apart) came.
+    config = load_config_file(tmp_path)
+    assert config.nats.first_connect_wait_s == 60.0
+    assert with_up_defaults(config).nats.first_connect_wait_s == 0.0
+    chosen = load_config_file(tmp_path, "[nats]\nfirst_connect_wait_s = 15\n")
+    assert with_up_defaults(chosen).nats.first_connect_wait_s == 15.0
+
+
 def test_up_keeps_objects_bytes_in_a_directory_beside_its_store_unless_the_file_says_otherwise(
     tmp_path: Path,
 ) -> None:

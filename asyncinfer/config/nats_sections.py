@@ -12,16 +12,20 @@ class NatsConfig(Section):
     url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated for a cluster.")
     connect_timeout_s: float = Field(5.0, gt=0, description="Timeout of one connection attempt.")
     first_connect_wait_s: float = Field(
-        0.0,
+        60.0,
         ge=0,
         description="How long a service's first connect keeps trying a NATS it cannot reach (connection refused, "
-        "name not resolved, no answer) before it gives up (exit 69, Unavailable), saying so in a line when it starts "
-        "waiting and then every 10 s. 0: it gives up after 3 tries per server (a few seconds), as `asyncinfer up` "
-        "and the CLI want. A TLS failure, refused credentials, or a server whose greeting shows this TLS setting cannot "
-        "work (it requires a client certificate and tls_cert_file is unset; it has no TLS and this client requires it) "
-        "give up at once whatever it says (exit 2, the setting named). The Kubernetes "
-        "configuration sets 120: a pod started before the NATS StatefulSet answers waits for it rather than exiting "
-        "into CrashLoopBackOff, whose delay doubles up to 5 minutes.",
+        "name not resolved, no answer) before it gives up (exit 69, Unavailable), saying so in a line naming the URL "
+        "when it starts waiting and then every 10 s. 60 by default: a service started before NATS answers (systemd "
+        "or compose start order, a NATS restart during a deploy) waits for it and starts as soon as it does, as a "
+        "Celery worker keeps trying its broker at start; a minute covers such races, and a wrong host or port is "
+        "still said within it. 0: it gives up after 3 tries per server (a few seconds); `asyncinfer up` uses 0 "
+        "unless the file sets it (it starts its own nats-server first). A TLS failure, refused credentials, or a "
+        "server whose greeting shows this TLS setting cannot work (it requires a client certificate and "
+        "tls_cert_file is unset; it has no TLS and this client requires it) give up at once whatever it says "
+        "(exit 2, the setting named). The Kubernetes configuration sets 120: a pod started before the NATS "
+        "StatefulSet answers waits for it rather than exiting into CrashLoopBackOff, whose delay doubles up to 5 "
+        "minutes.",
     )
     ping_interval_s: float = Field(
         5.0,

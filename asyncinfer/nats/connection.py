@@ -8,9 +8,10 @@ times per server (nats-py reports each failed attempt to the error callback; eac
 verified is given up on at its first failure (retrying cannot fix it, and nats-py's later attempts
 may not report at all), and the whole first connect is bounded by a deadline besides.
 
-With `nats.first_connect_wait_s`, a first connect that fails for want of a server keeps trying
-until that long has passed (and the attempts are spent): a pod started before the NATS StatefulSet
-answers waits for it rather than exiting into CrashLoopBackOff. Refused credentials and a TLS
+With `nats.first_connect_wait_s` (60 s by default; `up` sets 0), a first connect that fails for
+want of a server keeps trying until that long has passed (and the attempts are spent): a service
+started before NATS answers (start order, a NATS restart during a deploy, a pod before the NATS
+StatefulSet) waits for it rather than exiting 69 (into CrashLoopBackOff, on Kubernetes). Refused credentials and a TLS
 failure still give up at once: waiting does not change them, and neither does a TLS setting that the
 server's greeting (its INFO) shows to be wrong for it: a server that requires client certificates, to
 a client without one (the server's alert at the handshake's end was often read as a broken pipe or a

@@ -55,12 +55,18 @@ def with_up_defaults(config: Config) -> Config:
       nats-server then stores and serves only the objects' metas (an MLP file batch ran 5% faster,
       nats-server's CPU down two thirds: docs/BATCHES.md, "Objects' bytes in a directory").
 
+    - its services giving up at once on a NATS they cannot reach (`nats.first_connect_wait_s` 0, 3
+      tries), unless the file sets it: `up` starts its own nats-server and waits for it before them,
+      so one they cannot reach is not coming (the default's 60 s wait is for a NATS started apart).
+
     What the file set is `model_fields_set`, which `Config.replace` keeps (so `up --dev-tls`'s
     changes do not make the file look as if it declared models)."""
     if "claim_check_io" not in config.batcher.model_fields_set:
         config = config.replace(batcher={"claim_check_io": True})
     if "exit_after_overrun_s" not in config.batcher.model_fields_set:
         config = config.replace(batcher={"exit_after_overrun_s": 0.0})
+    if "first_connect_wait_s" not in config.nats.model_fields_set:
+        config = config.replace(nats={"first_connect_wait_s": 0.0})
     embedded = config.embedded_nats
     if "objects_directory" not in config.nats.model_fields_set:
         directory = Path(embedded.store_dir).parent / "objects"
