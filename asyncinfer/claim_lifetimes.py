@@ -46,7 +46,7 @@ from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import JobRecord
 from asyncinfer.log_throttle import Throttle
 from asyncinfer.nats import Client, KeyWrongLastSequenceError
-from asyncinfer.supervision import Supervisor
+from asyncinfer.supervision import Supervisor, end_if_cancelled
 
 log = structlog.get_logger("asyncinfer.claim_lifetimes")
 
@@ -120,6 +120,7 @@ class ClaimLifetimes:
 
     async def _work(self, queue: asyncio.Queue[ClaimRewrite]) -> None:
         while True:
+            end_if_cancelled()  # a stop's cancellation that the last rewrite's NATS request lost
             rewrite = await queue.get()
             try:
                 await self.apply(rewrite)

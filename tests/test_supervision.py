@@ -207,6 +207,177 @@ async def test_a_schedulers_repeating_loop_that_lost_its_cancellation_runs_no_fu
     assert reads == [1], f"{len(reads) - 1} rounds after the stop's cancellation"
 
 
+class LosesTheFirstCancel:
+    """A loop's round (its NATS request): the first call loses the cancellation that meets it, as
+    Python 3.11's asyncio.wait_for does when its future completes at that moment (gh-86296; every
+    nats-py request waits so); each call is a round."""
+
+    def __init__(self, returns: Any = None) -> None:
+        self.rounds = 0
+        self.in_first = asyncio.Event()
+        self.second = asyncio.Event()
+        self._returns = returns
+
+    async def __call__(self, *_args: Any, **_kwargs: Any) -> Any:
+        self.rounds += 1
+        if self.rounds == 1:
+            self.in_first.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.Event().wait()
+        else:
+            self.second.set()
+        return self._returns
+
+
+def _stranded_messages(monkeypatch: pytest.MonkeyPatch, rounds: LosesTheFirstCancel) -> Any:
+    from services.scheduler.stranded_messages import StrandedMessages
+
+    loop = StrandedMessages(None, None, None, Config(), list, interval_s=0.001)  # type: ignore[arg-type]
+    monkeypatch.setattr(loop, "check", rounds)
+    return loop.run()
+
+
+def _blob_sweeper(monkeypatch: pytest.MonkeyPatch, rounds: LosesTheFirstCancel) -> Any:
+    monkeypatch.setattr(scheduler_blobs, "sweep", rounds)
+    rounds._returns = 0
+    return scheduler_blobs.BlobSweeper(None, Supervisor("test"), interval_s=0.001)._run()  # type: ignore[arg-type]
+
+
+def _heartbeat(monkeypatch: pytest.MonkeyPatch, rounds: LosesTheFirstCancel) -> Any:
+    from services.scheduler import instances
+
+    monkeypatch.setattr(instances, "HEARTBEAT_INTERVAL_S", 0.001)
+    instance = instances.SchedulerInstance("scheduler", "run", None)  # type: ignore[arg-type]
+    monkeypatch.setattr(instance, "beat", rounds)
+    return instance.heartbeat()
+
+
+def _lease_reclaim(monkeypatch: pytest.MonkeyPatch, rounds: LosesTheFirstCancel) -> Any:
+    from services.scheduler import lease_reclaim
+
+    monkeypatch.setattr(lease_reclaim, "HEARTBEAT_TTL_S", -1.0)  # its second reclaim at once
+    reclaimer = lease_reclaim.LeaseReclaimer(None, None, None, Config(), None, models=list)  # type: ignore[arg-type]
+    rounds._returns = 0
+    monkeypatch.setattr(reclaimer, "reclaim", rounds)
+    return reclaimer.run()
+
+
+def _peer_watch(monkeypatch: pytest.MonkeyPatch, rounds: LosesTheFirstCancel) -> Any:
+    from types import SimpleNamespace
+
+    from services.scheduler import peer_watch
+
+    monkeypatch.setattr(peer_watch, "CHECK_INTERVAL_S", 0.001)
+    watch = peer_watch.PeerWatch(SimpleNamespace(js=None, name="queues"), "run", rounds)  # type: ignore[arg-type]
+
+    async def nothing() -> None:
+        pass
+
+    monkeypatch.setattr(watch, "_watch", SimpleNamespace(start=nothing, stop=nothing))
+    watch._lasting_markers.add("marker")  # a delete marker to clear every round
+    monkeypatch.setattr(watch, "_clear_lasting_markers", rounds)
+    return watch.run()
+
+
+def _model_registry(monkeypatch: pytest.MonkeyPatch, rounds: LosesTheFirstCancel) -> Any:
+    from services.scheduler import model_registry_writer
+
+    monkeypatch.setattr(model_registry_writer, "REFRESH_S", 0.001)
+    writer = model_registry_writer.ModelRegistryWriter(None, None)  # type: ignore[arg-type]
+    monkeypatch.setattr(writer, "write", rounds)
+    return writer.run()
+
+
+def _runtime_models(monkeypatch: pytest.MonkeyPatch, rounds: LosesTheFirstCancel) -> Any:
+    from services.scheduler import runtime_models
+
+    monkeypatch.setattr(runtime_models, "RETRY_S", 0.001)
+    learner = runtime_models.RuntimeModels(Config(), None, js=None, start_dispatcher=None)  # type: ignore[arg-type]
+    rounds._returns = False  # not all learnt: tried again
+    monkeypatch.setattr(learner, "learn", rounds)
+    learner._dirty.set()
+    return learner.run()
+
+
+def _store_health(monkeypatch: pytest.MonkeyPatch, rounds: LosesTheFirstCancel) -> Any:
+    from services.gateway import store_health
+
+    monkeypatch.setattr(store_health, "PROBE_INTERVAL_S", 0.001)
+    health = store_health.StoreHealth(
+        None,  # type: ignore[arg-type]
+        work_stream="WORK",
+        headroom_bytes=0,
+        supervisor=Supervisor("test"),
+    )
+    health._full = True  # probed every interval until there is room
+    monkeypatch.setattr(health, "_probe", rounds)
+    return health._watch()
+
+
+def _claim_lifetimes(monkeypatch: pytest.MonkeyPatch, rounds: LosesTheFirstCancel) -> Any:
+    from asyncinfer.claim_lifetimes import ClaimLifetimes
+
+    lifetimes = ClaimLifetimes(None, None, Supervisor("test"), workers=1)  # type: ignore[arg-type]
+    monkeypatch.setattr(lifetimes, "apply", rounds)
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    for rewrite in ("first", "second"):
+        queue.put_nowait(rewrite)
+    return lifetimes._work(queue)
+
+
+def _batch_driver(monkeypatch: pytest.MonkeyPatch, rounds: LosesTheFirstCancel) -> Any:
+    from services.gateway.batch_driver import BatchDriver
+
+    config = Config().replace(batches={"adopt_interval_s": 0.001})  # an adoption pass every round
+    driver = BatchDriver(
+        config,
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        records=None,  # type: ignore[arg-type]
+        expiry=None,  # type: ignore[arg-type]
+        submitter=None,  # type: ignore[arg-type]
+        nc=None,  # type: ignore[arg-type]
+    )
+    monkeypatch.setattr(driver, "_adopt", rounds)
+    return driver.run()
+
+
+LOOPS = {
+    "stranded-messages": _stranded_messages,
+    "blob-sweeper": _blob_sweeper,
+    "heartbeat": _heartbeat,
+    "lease-reclaim": _lease_reclaim,
+    "peer-watch": _peer_watch,
+    "model-registry": _model_registry,
+    "runtime-models": _runtime_models,
+    "store-health": _store_health,
+    "claim-lifetimes": _claim_lifetimes,
+    "batch-driver": _batch_driver,
+}
+
+
+@pytest.mark.parametrize("name", list(LOOPS))
+async def test_a_loop_whose_round_lost_the_stops_cancellation_ends_before_its_next_round(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop cancels a service's loops once (cancel_and_wait cancels again only RECANCEL_S later);
+    a round's NATS request that lost that cancellation (gh-86296) left the loop going on to its next
+    round. It ends before it: whichever of the two comes first is asserted, not when."""
+    rounds = LosesTheFirstCancel()
+    loop = asyncio.ensure_future(LOOPS[name](monkeypatch, rounds))
+    second = asyncio.ensure_future(rounds.second.wait())
+    try:
+        await asyncio.wait_for(rounds.in_first.wait(), WAIT_S)
+        loop.cancel()  # once: the stop's cancellation, which the round loses
+        await asyncio.wait({loop, second}, timeout=WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+        assert rounds.rounds == 1, f"{rounds.rounds - 1} rounds after the stop's cancellation"
+        assert loop.cancelled()
+    finally:
+        for task in (loop, second):
+            task.cancel()
+        await asyncio.gather(loop, second, return_exceptions=True)
+
+
 async def test_a_loop_that_raises_during_shutdown_is_not_a_failure() -> None:
     supervisor = Supervisor("test")
     go = asyncio.Event()

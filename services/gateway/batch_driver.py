@@ -36,7 +36,7 @@ from asyncinfer.job_store import NATS_FAILURES, JobStore, UnreadableOnce
 from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL, JobRecord, job_key
 from asyncinfer.log_throttle import RepeatedLines
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.supervision import cancel_and_wait
+from asyncinfer.supervision import cancel_and_wait, end_if_cancelled
 from asyncinfer.tracing import AttributeValue, TraceSpan, Tracing
 from services.gateway import transitions
 from services.gateway.batch_callbacks import BatchCallbacks
@@ -138,6 +138,7 @@ class BatchDriver:
         next_adopt = 0.0
         next_full = 0.0
         while True:
+            end_if_cancelled()  # a stop's cancellation that the last round's NATS request lost
             self.rounds += 1
             # Cleared before the ticks: a wake during them (a batch prepared, a chunk ended) is
             # another round at once.

@@ -21,7 +21,7 @@ from asyncinfer.errors import ResourceExhausted
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.nats import JetStreamContext
 from asyncinfer.nats.streams import StoreFullError, store_has_room
-from asyncinfer.supervision import Supervisor
+from asyncinfer.supervision import Supervisor, end_if_cancelled
 
 log = structlog.get_logger("asyncinfer.gateway.store")
 
@@ -78,6 +78,7 @@ class StoreHealth:
     async def _watch(self) -> None:
         serving = True
         while True:
+            end_if_cancelled()  # a stop's cancellation that the last probe's NATS request lost
             if self._full:
                 try:
                     async with asyncio.timeout(PROBE_INTERVAL_S):

@@ -18,7 +18,7 @@ from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, InvalidArgument, NotFound
 from asyncinfer.failure_lines import FailureLines
 from asyncinfer.jobs import BlobRef, JobError, JobRecord, WorkEnvelope
-from asyncinfer.supervision import Supervisor, cancel_and_wait
+from asyncinfer.supervision import Supervisor, cancel_and_wait, end_if_cancelled
 from asyncinfer.tensors import Tensor
 
 log = structlog.get_logger("asyncinfer.scheduler.blobs")
@@ -131,6 +131,7 @@ class BlobSweeper:
 
     async def _run(self) -> None:
         while True:
+            end_if_cancelled()  # a stop's cancellation that the last round's NATS request lost
             await asyncio.sleep(self._interval_s)
             try:
                 removed = await sweep(self._store, orphans_after_s=self._orphans_after_s, cursor=self.cursor)

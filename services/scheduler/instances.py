@@ -22,6 +22,7 @@ from asyncinfer.config import Config
 from asyncinfer.contract import scheduler_key
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.nats.kv import KvBucket, kv_delete_with_ttl, kv_latest, kv_put_with_ttl
+from asyncinfer.supervision import end_if_cancelled
 
 log = structlog.get_logger("asyncinfer.scheduler.instances")
 
@@ -73,6 +74,7 @@ class SchedulerInstance:
                 await self.beat()
             except NATS_FAILURES as exc:
                 log.warning("scheduler_heartbeat_failed", error=str(exc))
+            end_if_cancelled()  # a stop's cancellation that the beat's NATS request lost
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def end(self) -> None:

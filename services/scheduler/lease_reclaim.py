@@ -37,6 +37,7 @@ from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState, job_key
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext
 from asyncinfer.nats.streams import messages_between, nak_delivery
+from asyncinfer.supervision import end_if_cancelled
 from asyncinfer.tracing import trace_fields
 from services.scheduler.instances import HEARTBEAT_TTL_S, SchedulerInstance
 
@@ -71,6 +72,7 @@ class LeaseReclaimer:
     async def run(self) -> None:
         """At start, then once more after the heartbeat TTL; cancelled by a stop."""
         await self.reclaim()
+        end_if_cancelled()  # a stop's cancellation that the reclaim's NATS requests lost
         await asyncio.sleep(HEARTBEAT_TTL_S + 1.0)
         await self.reclaim()
 

@@ -20,6 +20,7 @@ from asyncinfer.contract import model_version_key
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.model_registry import FAILED, LOADING, READY, RegisteredVersion, batcher_token, encode_registered
 from asyncinfer.nats.kv import KvBucket, kv_put_with_ttl
+from asyncinfer.supervision import end_if_cancelled
 from services.scheduler.batchers import BatcherRegistry, BatcherSession
 
 log = structlog.get_logger("asyncinfer.scheduler.models")
@@ -84,6 +85,7 @@ class ModelRegistryWriter:
     async def run(self) -> None:
         """Writes on every change and every REFRESH_S, until cancelled."""
         while True:
+            end_if_cancelled()  # a stop's cancellation that the last round's NATS request lost
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(REFRESH_S):
                     await self._dirty.wait()

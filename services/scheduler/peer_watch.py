@@ -32,6 +32,7 @@ from asyncinfer.contract import SCHEDULER_KEY_PREFIX
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.nats.kv import KvBucket, kv_delete_with_ttl
 from asyncinfer.nats.kv_watch import KeyUpdate, KeyWatch
+from asyncinfer.supervision import end_if_cancelled
 from services.scheduler.instances import DELETED_HEARTBEAT_TTL_S, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S
 
 log = structlog.get_logger("asyncinfer.scheduler.peer_watch")
@@ -73,6 +74,7 @@ class PeerWatch:
         await self._watch.start()
         try:
             while True:
+                end_if_cancelled()  # a stop's cancellation that the last round's NATS request lost
                 await asyncio.sleep(CHECK_INTERVAL_S)
                 lost = [self._names.pop(run, run) for run in self.silent_peers()]
                 if lost and self.sweeps():

@@ -27,6 +27,7 @@ from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import PRIORITIES_BY_RANK
 from asyncinfer.nats import JetStreamContext
+from asyncinfer.supervision import end_if_cancelled
 from services.scheduler.batchers import BatcherRegistry, BatcherSession
 
 log = structlog.get_logger("asyncinfer.scheduler.runtime_models")
@@ -106,6 +107,7 @@ class RuntimeModels:
         """Learns the new names on every change, until cancelled; those that could not be learnt,
         again every RETRY_S until they are (or no batcher announces them any more)."""
         while True:
+            end_if_cancelled()  # a stop's cancellation that the last round's NATS request lost
             await self._dirty.wait()
             self._dirty.clear()
             if not await self.learn():

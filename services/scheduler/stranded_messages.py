@@ -36,6 +36,7 @@ from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext, NotFoundError
 from asyncinfer.nats.requests import js_publish
 from asyncinfer.nats.streams import delete_message, messages_between
+from asyncinfer.supervision import end_if_cancelled
 
 log = structlog.get_logger("asyncinfer.scheduler.stranded_messages")
 
@@ -66,6 +67,7 @@ class StrandedMessages:
     async def run(self) -> None:
         """Checks every interval until cancelled; a failed check is a warning, tried again next time."""
         while True:
+            end_if_cancelled()  # a stop's cancellation that the last round's NATS request lost
             await asyncio.sleep(self._interval_s)
             try:
                 await self.check()
