@@ -16,7 +16,9 @@ failure still give up at once: waiting does not change them, and neither does a 
 server's greeting (its INFO) shows to be wrong for it: a server that requires client certificates, to
 a client without one (the server's alert at the handshake's end was often read as a broken pipe or a
 lost connection, an outage to wait for), or a server without TLS, to a client configured for it
-(found before anything is sent: nats-py connected in plaintext). See Greetings.
+(found before anything is sent: nats-py connected in plaintext). A client certificate that such a
+server refuses, its alert read as a broken connection, gives up at the second attempt in a row
+to end so (a server that is down greets none). See Greetings.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ ERROR_LOG_INTERVAL_S = 10.0
 REPLIES_CHECK_TIMEOUT_S = 10  # nats-py types it an int
 PERMISSIONS_VIOLATION = "permissions violation"  # nats-py's wording of the server's -ERR, any case
 MAX_VIOLATIONS_KEPT = 16
+CLOSES_THAT_REFUSE = 2  # attempts in a row closed after the handshake, a certificate presented: refused
 
 
 class TlsMismatch(NatsError):
@@ -137,6 +140,9 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
             # it): the first gave up, and its caller says why.
             log.debug("nats_error", error=str(exc))
             return
+        if not connected and greetings.refusal_suspected:
+            log.debug("nats_error", error=str(exc))  # tried again: a second close after the handshake refuses
+            return
         final = isinstance(exc, ssl.SSLError | TlsMismatch) or _login_refused(exc)  # waiting will not change it
         if not connected and wait_s > 0 and not final and not abandoned.is_set():
             nonlocal waited_out
@@ -208,6 +214,7 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
 
     async def on_reconnected() -> None:
         changed()
+        greetings.settled()
         log.info("nats_reconnected")
 
     options: dict[str, Any] = {
@@ -269,6 +276,7 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
         await _abandon(client, connecting, abandoned)
         raise Unavailable(f"cannot connect to NATS at {shown}: {failure}") from failure
     connected = True
+    greetings.settled()
     if await _replies_refused(client, violations):
         await _abandon(client, connecting, abandoned)
         prefix = config.inbox_prefix
@@ -379,6 +387,12 @@ class Greetings:
         self._config = config
         self._wants_tls = wants_tls
         self._latest: Mapping[str, Any] = {}
+        # Attempts in a row that a server verifying client certificates greeted and closed after the
+        # handshake, this client presenting a certificate.
+        self._closed_after_handshake = 0
+        # The failure `read` last returned was the first of such a run: not an outage to wait for (a
+        # line saying so), nor a refusal yet; the next attempt tells.
+        self.refusal_suspected = False
 
     def vet(self, info: Mapping[str, Any]) -> None:
         """Before the attempt's TLS handshake and CONNECT: TlsMismatch for a server without TLS, to a
@@ -392,23 +406,56 @@ class Greetings:
             )
 
     def read(self, failure: Exception) -> Exception:
-        """The attempt's failure as the operator acts on it: where its greeting said the server
-        verifies client certificates and this client has none, TlsMismatch saying so. The server
-        closes the connection at the handshake's end with an alert, which the client, writing its
-        CONNECT meanwhile, read now and then as a lost connection or a broken pipe: an outage to
-        wait for under nats.first_connect_wait_s. A server certificate this client cannot verify
-        (the handshake's first check) is left to say so."""
+        """The attempt's failure as the operator acts on it, where its greeting said the server verifies
+        client certificates (tls_verify). The server closes the connection at the handshake's end with an
+        alert, which the client, writing its CONNECT meanwhile, read now and then as a lost connection or
+        a broken pipe: an outage to wait for under nats.first_connect_wait_s. To a client without a
+        certificate: TlsMismatch saying to set one. To a client with one, the second attempt in a row to
+        end so (a server that greets each attempt and closes it after the handshake refuses this
+        certificate; one that is down greets none): TlsMismatch naming its files. A server certificate
+        this client cannot verify (the handshake's first check) is left to say so, and so is an alert read."""
         greeting, self._latest = self._latest, {}
-        if not greeting.get("tls_verify") or self._config.tls_cert_file:
+        if not greeting:
+            # An attempt told twice (a lost connection, then the alert behind it or a lost connection
+            # again: no greeting left to read) is still the attempt it was; one that reached no server
+            # (an outage) ends a run of closes.
+            if isinstance(failure, _CLOSED):
+                return failure
+            self.refusal_suspected = False
+            if not isinstance(failure, ssl.SSLError):
+                self._closed_after_handshake = 0
             return failure
-        if isinstance(failure, ssl.SSLCertVerificationError) or not isinstance(
-            failure, ssl.SSLError | BrokenPipeError | ConnectionResetError | UnexpectedEOF
-        ):
+        self.refusal_suspected = False
+        verifying = bool(greeting.get("tls_verify")) and not isinstance(failure, ssl.SSLCertVerificationError)
+        if not self._config.tls_cert_file:
+            if verifying and isinstance(failure, ssl.SSLError | _CLOSED):
+                return TlsMismatch(
+                    "the server requires a client certificate (nats-server tls { verify: true }): set "
+                    "nats.tls_cert_file and nats.tls_key_file to one signed by the CA it verifies clients with"
+                )
+            return failure
+        if not verifying or not isinstance(failure, _CLOSED):
+            self._closed_after_handshake = 0
+            return failure
+        self._closed_after_handshake += 1
+        if self._closed_after_handshake < CLOSES_THAT_REFUSE:
+            self.refusal_suspected = True  # a server may have gone at that moment: the next attempt tells
             return failure
         return TlsMismatch(
-            "the server requires a client certificate (nats-server tls { verify: true }): set "
-            "nats.tls_cert_file and nats.tls_key_file to one signed by the CA it verifies clients with"
+            "the server closed the connection right after the TLS handshake, twice, having said that it verifies "
+            "client certificates (nats-server tls { verify: true }): it refuses this one, nats.tls_cert_file (with "
+            "nats.tls_key_file), most likely signed by another CA than the one it verifies clients with (its "
+            "tls { ca_file }; nats.tls_ca_file is the CA this client verifies the server with), or expired"
         )
+
+    def settled(self) -> None:
+        """Connected: a later close after a handshake starts a run of its own."""
+        self._closed_after_handshake = 0
+
+
+# A connection that broke, as the client reads the server's close at the TLS handshake's end when it
+# does not read the alert before it.
+_CLOSED = BrokenPipeError | ConnectionResetError | UnexpectedEOF
 
 
 def _login_refused(failure: BaseException | None) -> bool:
