@@ -8,7 +8,11 @@ on its websocket (aiohttp's client), no selenium, no playwright.
 
 chromium starts with `--remote-debugging-port=0` and writes the port it took to DevToolsActivePort
 in its profile folder; one page target is opened and every command goes to it. Missing chromium
-fails the test with the line that installs it (`make test` installs it, as root)."""
+fails the test with the line that installs it (`make test` installs it, as root).
+
+Tests of one file share one chromium (`Chromium`, a module-scoped fixture: its start took 1-4 s of
+CPU, once per test): `Browser.open(chromium)` gives each test a page of its own in a browser
+context of its own (cookies, storage and cache apart, as in a fresh profile), disposed of after."""
 
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ import contextlib
 import itertools
 import json
 import shutil
+import subprocess
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +33,7 @@ import pytest
 
 INSTALL = "chromium is missing: run 'sudo apt-get install -y chromium' (make test installs it when run as root)"
 STARTED_WITHIN_S = 30.0
+WINDOW = (1280, 900)  # a page's size, width and height
 
 
 def chromium_binary() -> str:
@@ -36,8 +43,59 @@ def chromium_binary() -> str:
     pytest.fail(INSTALL)
 
 
+def _chromium_args(profile: Path) -> list[str]:
+    return [
+        chromium_binary(),
+        "--headless=new",
+        "--remote-debugging-port=0",
+        f"--user-data-dir={profile}",
+        "--no-first-run",
+        "--no-default-browser-check",
+        "--disable-gpu",
+        "--disable-extensions",
+        "--disable-background-networking",
+        "--no-sandbox",  # tests run as root in a container, where chromium's sandbox cannot start
+        f"--window-size={WINDOW[0]},{WINDOW[1]}",
+        "about:blank",
+    ]
+
+
+class Chromium:
+    """One headless chromium process, for the tests of a file to share (`Browser.open`); started
+    and stopped synchronously, so a fixture of any scope holds it whatever each test's event loop."""
+
+    def __init__(self, profile: Path) -> None:
+        self._profile = profile
+        self._process: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    def start(self) -> None:
+        self._profile.mkdir(parents=True, exist_ok=True)
+        self._process = subprocess.Popen(
+            _chromium_args(self._profile), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + STARTED_WITHIN_S
+        while (port := _devtools_port(self._profile / "DevToolsActivePort")) is None:
+            if self._process.poll() is not None:
+                raise AssertionError(f"chromium exited at start with {self._process.returncode}")
+            assert time.monotonic() < deadline, "chromium did not open its DevTools port"
+            time.sleep(0.01)
+        self.port = port
+
+    def stop(self) -> None:
+        if self._process is None:
+            return
+        if self._process.poll() is None:
+            self._process.terminate()
+        try:
+            self._process.wait(10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+
 class Browser:
-    def __init__(self, process: asyncio.subprocess.Process, session: aiohttp.ClientSession) -> None:
+    def __init__(self, process: asyncio.subprocess.Process | None, session: aiohttp.ClientSession) -> None:
         self._process = process
         self._session = session
         self._ws: aiohttp.ClientWebSocketResponse | None = None
@@ -51,22 +109,8 @@ class Browser:
     @contextlib.asynccontextmanager
     async def launch(cls, profile: Path) -> AsyncIterator[Browser]:
         await asyncio.to_thread(profile.mkdir, parents=True, exist_ok=True)
-        args = [
-            chromium_binary(),
-            "--headless=new",
-            "--remote-debugging-port=0",
-            f"--user-data-dir={profile}",
-            "--no-first-run",
-            "--no-default-browser-check",
-            "--disable-gpu",
-            "--disable-extensions",
-            "--disable-background-networking",
-            "--no-sandbox",  # tests run as root in a container, where chromium's sandbox cannot start
-            "--window-size=1280,900",
-            "about:blank",
-        ]
         process = await asyncio.create_subprocess_exec(
-            *args, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+            *_chromium_args(profile), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
         )
         session = aiohttp.ClientSession()
         browser = cls(process, session)
@@ -87,10 +131,48 @@ class Browser:
         async with self._session.get(f"http://127.0.0.1:{port}/json/list") as answer:
             targets = await answer.json()
         page = next(t for t in targets if t["type"] == "page")
-        self._ws = await self._session.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0)
-        self._reader = asyncio.create_task(self._read())
+        await self._attach(page["webSocketDebuggerUrl"])
         await self.send("Page.enable")
         await self.send("Runtime.enable")
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, chromium: Chromium) -> AsyncIterator[Browser]:
+        """A page of its own in a running chromium, in a new browser context (cookies, storage and
+        cache apart from every other context's, as in a fresh profile), of the window's size; the
+        context, its page with it, is disposed of at the end."""
+        session = aiohttp.ClientSession()
+        host = cls(None, session)  # the browser's own endpoint: contexts and targets
+        page: Browser | None = None
+        try:
+            async with session.get(f"http://127.0.0.1:{chromium.port}/json/version") as answer:
+                version = await answer.json()
+            await host._attach(version["webSocketDebuggerUrl"])
+            context = (await host.send("Target.createBrowserContext"))["browserContextId"]
+            try:
+                created = await host.send(
+                    "Target.createTarget",
+                    url="about:blank",
+                    browserContextId=context,
+                    width=WINDOW[0],
+                    height=WINDOW[1],
+                )
+                page = cls(None, session)
+                await page._attach(f"ws://127.0.0.1:{chromium.port}/devtools/page/{created['targetId']}")
+                await page.send("Page.enable")
+                await page.send("Runtime.enable")
+                yield page
+            finally:
+                if page is not None:
+                    await page._detach()
+                await host.send("Target.disposeBrowserContext", browserContextId=context)
+        finally:
+            await host._detach()
+            await session.close()
+
+    async def _attach(self, url: str) -> None:
+        self._ws = await self._session.ws_connect(url, max_msg_size=0)
+        self._reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
         assert self._ws is not None
@@ -183,14 +265,18 @@ class Browser:
         await asyncio.to_thread(_write, path, base64.b64decode(answer["data"]))
         return path
 
-    async def _close(self) -> None:
+    async def _detach(self) -> None:
         if self._ws is not None:
             await self._ws.close()
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
+
+    async def _close(self) -> None:
+        await self._detach()
         await self._session.close()
+        assert self._process is not None, "a launched browser's"
         if self._process.returncode is None:
             self._process.terminate()
         try:

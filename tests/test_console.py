@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -29,7 +29,7 @@ from services.console import pages_jobs
 from services.console.app import ConsoleApp
 from services.gateway.app import GatewayApp
 from tests import recovering_model
-from tests.browser import Browser
+from tests.browser import Browser, Chromium
 from tests.stack import Stack, StartStack
 from tests.test_up_grpcurl import close, start_on_free_ports
 
@@ -53,10 +53,21 @@ RECOVERING_MODEL = ModelConfig.model_validate(
 )
 
 
-@pytest.fixture
-async def browser(tmp_path: Path) -> AsyncIterator[Browser]:
-    async with Browser.launch(tmp_path / "chromium") as running:
+@pytest.fixture(scope="module")
+def chromium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromium]:
+    """One chromium for the file's tests (each test's page in a browser context of its own)."""
+    running = Chromium(tmp_path_factory.mktemp("chromium"))
+    try:
+        running.start()
         yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+async def browser(chromium: Chromium) -> AsyncIterator[Browser]:
+    async with Browser.open(chromium) as page:
+        yield page
 
 
 @pytest.fixture

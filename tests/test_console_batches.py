@@ -20,6 +20,7 @@ from tests.browser import Browser
 from tests.stack import StartStack
 from tests.test_console import ARTIFACTS, OPS_KEY, TENANT_KEY, StartConsole, keyed
 from tests.test_console import browser as browser_fixture
+from tests.test_console import chromium as chromium_fixture
 from tests.test_console import start_console as start_console_fixture
 
 pytestmark = pytest.mark.timeout(120)
@@ -27,6 +28,7 @@ RECORDS = 300
 MISSING = "01a2325c-0000-7000-8000-000000000000"
 # The console tests' fixtures, under the names the tests ask for.
 browser = browser_fixture
+chromium = chromium_fixture
 start_console = start_console_fixture
 
 
