@@ -14,7 +14,8 @@ Generated stubs (asyncinfer/v1) are leaves: they are not parsed, imports of them
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+import functools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,7 +114,6 @@ def _imports(module: str, path: Path, modules: set[str]) -> Iterator[Edge]:
     is_package = path.name == "__init__.py"
     tree = ast.parse(path.read_text(), filename=str(path))
     for node in ast.walk(tree):
-        where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -127,6 +127,7 @@ def _imports(module: str, path: Path, modules: set[str]) -> Iterator[Edge]:
             names = [f"{base}.{alias.name}" for alias in node.names]
         else:
             continue
+        where = f"{path.relative_to(ROOT)}:{node.lineno}"
         for name in names:
             if _is_internal(name):
                 imported = _resolve(name, modules)
@@ -149,7 +150,7 @@ def _external_imports(path: Path) -> Iterator[tuple[str, int]]:
                 yield name, node.lineno
 
 
-def _reached(edges: list[Edge], roots: set[str]) -> dict[str, Edge | None]:
+def _reached(edges: Iterable[Edge], roots: set[str]) -> dict[str, Edge | None]:
     """Every module the roots import, straight or through others, each with the import that first
     reached it (None for a root)."""
     successors: dict[str, list[Edge]] = {}
@@ -174,18 +175,20 @@ def _path_to(reached: dict[str, Edge | None], module: str) -> str:
     return " <- ".join(chain)
 
 
-def _graph() -> list[Edge]:
+@functools.cache
+def _graph() -> tuple[Edge, ...]:
+    """Read once per test process, the tests sharing it (each took seconds of CPU to parse every module)."""
     sources = _sources()
     modules = set(sources)
     edges = {edge for module, path in sources.items() for edge in _imports(module, path, modules)}
-    return sorted(edges, key=str)
+    return tuple(sorted(edges, key=str))
 
 
 def _in(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
-def _strongly_connected(edges: list[Edge]) -> list[set[str]]:
+def _strongly_connected(edges: Iterable[Edge]) -> list[set[str]]:
     """Tarjan's algorithm, iterative."""
     successors: dict[str, set[str]] = {}
     for edge in edges:
