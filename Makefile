@@ -99,6 +99,7 @@ $(SHELLS_STAMP): $(STAMP)
 # tests, 147% of the 2 cores busy). Each test starts its own servers on free ports. A third worker
 # first brought out two start-up failures under load, both fixed in the services (a scheduler's
 # first heartbeat during an election, a stream placed before the cluster's third server joined).
+# The longest files are handed out first (tests/file_order.py), so none is left to run alone at the end.
 PYTEST_WORKERS ?= 3
 PYTEST_PARALLEL = -n $(PYTEST_WORKERS) --dist loadfile
 

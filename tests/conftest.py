@@ -24,6 +24,7 @@ from asyncinfer.logs import TRACEBACKS
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.connection import connect
 from services.batcher.app import BatcherApp
+from tests.file_order import longest_first
 from tests.stack import Stack, StartStack, run_every
 
 # The services in a test process log through structlog's default configuration, whose console
@@ -39,10 +40,17 @@ structlog.configure(
 )
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "dist", "no") == "loadfile":
+        config.option.loadscopereorder = False  # xdist keeps the order below (tests/file_order.py)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("unit") and "nats_server" in getattr(item, "fixturenames", ()):
             raise pytest.UsageError(f"{item.nodeid} is marked unit but starts a nats-server (through its fixtures)")
+    if getattr(config.option, "dist", "no") == "loadfile":
+        items[:] = longest_first(items)
 
 
 @pytest.fixture
