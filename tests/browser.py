@@ -10,8 +10,8 @@ chromium starts with `--remote-debugging-port=0` and writes the port it took to 
 in its profile folder; one page target is opened and every command goes to it. Missing chromium
 fails the test with the line that installs it (`make test` installs it, as root).
 
-Tests of one file share one chromium (`Chromium`, a module-scoped fixture: its start took 1-4 s of
-CPU, once per test): `Browser.open(chromium)` gives each test a page of its own in a browser
+Tests of one file share one chromium (`Chromium`, a module-scoped fixture: its start took 1-4 s on a
+busy machine, once per test): `Browser.open(chromium)` gives each test a page of its own in a browser
 context of its own (cookies, storage and cache apart, as in a fresh profile), disposed of after."""
 
 from __future__ import annotations
