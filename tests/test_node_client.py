@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from tests.stack import Stack
+from asyncinfer.config import DEMO_MODEL, Config
+from services.batcher.models import demo
+from tests.stack import StartStack
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = ROOT / "tests" / "node" / "client.mjs"
@@ -45,7 +47,14 @@ async def read_event(stream: asyncio.StreamReader) -> dict[str, Any]:
     return event
 
 
-async def test_node_client_submits_watches_and_reads_the_output(node: str, idle_stack: Stack) -> None:
+async def test_node_client_submits_watches_and_reads_the_output(
+    node: str, config: Config, start_stack: StartStack
+) -> None:
+    # The demo model held at the gate while it runs: the jobs bucket keeps one write a key, so a
+    # watch that has not read RUNNING yet when the job ends gets the latest (SUCCEEDED); the job
+    # ends only once the Node client's watch said RUNNING.
+    gated = DEMO_MODEL.model_copy(update={"loader": "services.batcher.models.demo:build_gated_model", "warm_up": False})
+    idle_stack = await start_stack(config.replace(models=[gated.model_dump()]), batcher=False)
     rows = [[1.0, 2.0, 3.0, 4.0], [0.5, 0.0, -2.0, 10.0]]
     process = await asyncio.create_subprocess_exec(
         node,
@@ -56,6 +65,7 @@ async def test_node_client_submits_watches_and_reads_the_output(node: str, idle_
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
+    demo.GATE.clear()
     try:
         assert process.stderr is not None
         try:
@@ -77,6 +87,9 @@ async def test_node_client_submits_watches_and_reads_the_output(node: str, idle_
                 assert first == {**first, "event": "update", "state": "JOB_STATE_QUEUED"}
                 # Only now can the job run: the Node client must follow it through the watch.
                 await idle_stack.start_batcher()
+                running = await read_event(process.stderr)
+                assert running == {**running, "event": "update", "state": "JOB_STATE_RUNNING"}
+                demo.GATE.set()
                 stdout, stderr = await process.communicate()
         except TimeoutError:
             process.kill()
@@ -93,6 +106,7 @@ async def test_node_client_submits_watches_and_reads_the_output(node: str, idle_
         assert y["shape"] == [2, 4]
         assert y["data"] == [2 * v + 1 for row in rows for v in row]
     finally:
+        demo.GATE.set()
         if process.returncode is None:
             process.kill()
             await process.wait()
