@@ -778,8 +778,11 @@ async def test_read_result_of_a_large_result(config: Config, start_stack: StartS
 
 @pytest.fixture
 def threaded_stack(config: Config) -> Iterator[ThreadedStack]:
-    """The stack without a batcher, on its own loop in a thread: the test itself is synchronous."""
-    with ThreadedStack(config, batcher=False) as running:
+    """The stack without a batcher, on its own loop in a thread: the test itself is synchronous.
+    Its demo model computes only while demo.GATE is set (set, as tests leave it, unless a test
+    clears it)."""
+    gated = DEMO_MODEL.model_copy(update={"loader": "services.batcher.models.demo:build_gated_model", "warm_up": False})
+    with ThreadedStack(config.replace(models=[gated.model_dump()]), batcher=False) as running:
         yield running
 
 
@@ -792,8 +795,17 @@ def test_sync_client_submits_watches_and_waits(threaded_stack: ThreadedStack) ->
 
         watch = client.watch(job, timeout_s=30)
         assert next(watch).state is JobState.QUEUED
-        threaded_stack.run(threaded_stack.stack.start_batcher)
-        states = [update.state for update in watch]
+        # Held at the gate while it runs: the jobs bucket keeps one write a key, so a watch that
+        # has not read RUNNING yet when the job ends gets SUCCEEDED alone (a loaded machine).
+        demo.GATE.clear()
+        try:
+            threaded_stack.run(threaded_stack.stack.start_batcher)
+            states = []
+            for update in watch:
+                states.append(update.state)
+                demo.GATE.set()
+        finally:
+            demo.GATE.set()
         assert states == [JobState.RUNNING, JobState.SUCCEEDED]
 
         done = client.wait(job, timeout_s=30)
