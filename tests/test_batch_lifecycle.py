@@ -220,6 +220,7 @@ async def test_a_repeated_create_with_the_same_key_returns_the_first_batch(
     assert abs(int(claims[0].headers["Nats-TTL"]) - kept_for) < 60
 
 
+@pytest.mark.timeout(300)
 async def test_batches_past_the_servers_100000_subjects_an_answer_are_listed(
     config: Config, start_stack: StartStack
 ) -> None:

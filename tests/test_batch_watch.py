@@ -89,6 +89,7 @@ async def test_the_watch_resumes_after_a_revision(config: Config, start_stack: S
     assert wildcard.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.timeout(300)
 async def test_a_long_reading_reports_how_far_it_has_come_until_it_moves_on(
     config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
 ) -> None:

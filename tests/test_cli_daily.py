@@ -166,6 +166,7 @@ async def cli(*argv: str) -> tuple[int, str, str]:
     return process.returncode, out.decode(), err.decode()
 
 
+@pytest.mark.timeout(300)
 async def test_dlq_show_reads_as_text_and_json_then_purge_all_on_yes(config: Config, start_stack: StartStack) -> None:
     failing = DEMO_MODEL.model_copy(
         update={"name": "failing", "loader": "services.batcher.models.demo:build_failing_model", "max_attempts": 1}

@@ -1221,6 +1221,7 @@ def image_command(service: str) -> list[str]:
     return [*entrypoint, *json.loads(next(line for line in lines if line.startswith("CMD "))[len("CMD ") :])]
 
 
+@pytest.mark.timeout(300)
 async def test_the_compose_services_run_together_on_tls_as_processes(tmp_path: Path) -> None:
     """The compose stack without Docker: nats-server on the file the `secrets` step writes, then the
     gateway, the scheduler and the batcher, each its image's command with its compose environment

@@ -267,6 +267,7 @@ async def test_a_config_json_that_cannot_be_read_is_refused_at_once(v1_stack: St
         await channel.close()
 
 
+@pytest.mark.timeout(300)
 async def test_2000_jobs_while_v1_is_replaced_by_v2(v1_stack: Stack) -> None:
     """v1 serves; jobs flow (unpinned and pinned to v1); v2 is loaded beside it (warmed up before
     it takes work) and jobs pinned to v2 join; the jobs pinned to v1 stop coming and v1 is

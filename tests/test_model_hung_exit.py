@@ -24,7 +24,7 @@ from tests.hanging_models import HANG_VALUE, SLOW_VALUE
 from tests.stack import StartStack
 
 BIN = Path(sys.executable).parent
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 TERMINAL = {job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_TIMED_OUT}
 LOADER = "tests.hanging_models:build_hanging_model"
 HANG_MODEL = DEMO_MODEL.model_copy(

@@ -23,7 +23,7 @@ from tests.kv_helpers import JobWrites
 from tests.processes import Service, until
 from tests.test_crash import crash_config
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 JOBS = 300
 # Long enough that a restart on a loaded machine (1-3 s) returns the stranded jobs well before it,

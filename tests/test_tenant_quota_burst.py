@@ -23,7 +23,7 @@ from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor
 from tests.processes import Service, until
 from tests.test_crash import crash_config
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 CLIENTS = 128
 CHANNELS = 16
