@@ -17,7 +17,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-WAIT_S = 10.0
+from tests.waits import WAIT_S
 
 
 class _Counted:

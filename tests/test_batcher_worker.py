@@ -24,8 +24,8 @@ from services.batcher import worker_client
 from services.batcher.app import BatcherApp
 from services.batcher.models.demo import FAILING_MODEL_MESSAGE, GATE
 from tests.certs import TestCA
+from tests.waits import WAIT_S
 
-WAIT_S = 10.0
 ABORT = "abort"
 
 

@@ -20,8 +20,8 @@ from services.scheduler.app import SchedulerApp
 from tests.hanging_models import HANG_VALUE, RELEASE
 from tests.stack import Stack, StartStack
 from tests.test_scheduler_replicas import HANGING_MODEL, MODEL, request, wait_for
+from tests.waits import WAIT_S
 
-WAIT_S = 15.0
 Ops = ops_service_pb2_grpc.OpsServiceStub
 
 

@@ -23,6 +23,7 @@ from services.gateway.queue_view import QueueView
 from services.scheduler.app import SchedulerApp
 from tests.hanging_models import HANG_VALUE, RELEASE
 from tests.stack import StartStack
+from tests.waits import WAIT_S
 
 # One job at a time, and the first one hangs (until RELEASE) for longer than the test runs: the
 # jobs behind it wait for capacity on the one batcher.
@@ -39,7 +40,6 @@ HANGING_MODEL = DEMO_MODEL.model_copy(
     }
 )
 MODEL = HANGING_MODEL.name
-WAIT_S = 15.0
 
 
 def request(first: float) -> job_service_pb2.SubmitJobRequest:

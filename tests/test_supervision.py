@@ -31,8 +31,8 @@ from services.scheduler import blobs as scheduler_blobs
 from services.scheduler.app import SchedulerApp
 from services.scheduler.pauses import PauseState
 from services.scheduler.store_usage import StoreUsage, StoreUsageReader
+from tests.waits import WAIT_S
 
-WAIT_S = 10.0
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -33,11 +33,11 @@ from tests.hanging_models import HANG_VALUE, RELEASE
 from tests.nats_probes import RequestsSeen
 from tests.stack import Stack, StartStack
 from tests.test_scheduler import FakeBatcher
+from tests.waits import WAIT_S
 from tests.webhook_receiver import Receiver, receiver, webhook_config
 
 __all__ = ["receiver"]  # the fixture, used by name
 
-WAIT_S = 15.0
 DELIVERED = job_pb2.CALLBACK_DELIVERY_STATE_DELIVERED
 PENDING = job_pb2.CALLBACK_DELIVERY_STATE_PENDING
 FAILED = job_pb2.CALLBACK_DELIVERY_STATE_FAILED

@@ -15,9 +15,9 @@ from standardwebhooks.webhooks import Webhook
 
 from asyncinfer.config import Config
 from asyncinfer.webhook_secrets import new_secret
+from tests.waits import WAIT_S
 
 SECRET = new_secret()
-WAIT_S = 15.0  # the longest a test waits for a delivery
 
 
 # --- a webhook receiver -------------------------------------------------------------------------
