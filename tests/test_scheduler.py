@@ -56,6 +56,10 @@ from tests.kv_helpers import job_record
 
 # Also run with the NATS adapter's fast path off (make pytest-nats-fallback).
 pytestmark = pytest.mark.nats_fallback
+# The bound on a wait for what the scheduler does at once (an order, a record, a nak): half the
+# AckWait these schedulers run with (30 s), so that a job only AckWait would return still fails
+# the wait, and room for a loaded machine (it was 2 s and 5 s).
+AT_ONCE_S = 15.0
 
 MODEL = "demo"
 TENANT = "default"
@@ -64,7 +68,7 @@ TENANT = "default"
 # --- helpers ----------------------------------------------------------------------------------
 
 
-async def until(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
+async def until(predicate: Callable[[], Awaitable[bool]], timeout_s: float = AT_ONCE_S) -> None:
     """Polls an async condition until it holds (bounded)."""
     deadline = time.monotonic() + timeout_s
     while not await predicate():
@@ -145,7 +149,7 @@ async def pull_one(inbox: PullInbox, stream: str, consumer: str) -> Msg | None:
     return msgs[0] if msgs else None
 
 
-async def pull_until(nc: NatsClient, stream: str, consumer: str, timeout_s: float = 5.0) -> Msg:
+async def pull_until(nc: NatsClient, stream: str, consumer: str, timeout_s: float = AT_ONCE_S) -> Msg:
     """Pulls one message until one comes (an ack or nak is applied by the server asynchronously)."""
     pulled: list[Msg] = []
     inbox = PullInbox(nc)
@@ -170,7 +174,7 @@ async def read_record(js: JetStreamContext, job_id: str) -> JobRecord:
     return record
 
 
-async def wait_state(js: JetStreamContext, job_id: str, state: JobState, timeout_s: float = 5.0) -> JobRecord:
+async def wait_state(js: JetStreamContext, job_id: str, state: JobState, timeout_s: float = AT_ONCE_S) -> JobRecord:
     async def reached() -> bool:
         return (await read_record(js, job_id)).state == state
 
@@ -217,7 +221,7 @@ class FakeBatcher:
         )
         await self._call.write(worker_service_pb2.ConnectRequest(hello=hello))
         self._reader = asyncio.create_task(self._read())
-        return await asyncio.wait_for(self.welcome, 5.0)
+        return await asyncio.wait_for(self.welcome, AT_ONCE_S)
 
     async def _read(self) -> None:
         async for response in self._call:
@@ -239,7 +243,7 @@ class FakeBatcher:
         credit = worker_service_pb2.CreditGrant(model_name=model_name, credits=credits)
         await self._call.write(worker_service_pb2.ConnectRequest(credit=credit))
 
-    async def next_order(self, timeout_s: float = 5.0) -> worker_service_pb2.WorkOrder:
+    async def next_order(self, timeout_s: float = AT_ONCE_S) -> worker_service_pb2.WorkOrder:
         return await asyncio.wait_for(self.orders.get(), timeout_s)
 
     async def answer(self, order: worker_service_pb2.WorkOrder, *, job_id: str = "", attempt: int = 0) -> None:
@@ -289,7 +293,7 @@ class FakeBatcher:
 
     async def final_code(self) -> grpc.StatusCode:
         """Waits for the stream to end; its status code."""
-        return await asyncio.wait_for(self._call.code(), 5.0)
+        return await asyncio.wait_for(self._call.code(), AT_ONCE_S)
 
     async def break_stream(self) -> None:
         self._call.cancel()
@@ -664,7 +668,7 @@ async def test_a_chunks_input_read_does_not_hold_back_a_job_queued_behind_it(
     unread = BlobRef(ref=new_input_ref(), size_bytes=16, sha256="00" * 32)  # never uploaded
     by_ref = await enqueue(nc, kv, priority=Priority.LOW, input_ref=unread)
     await batcher.grant(2)
-    await asyncio.wait_for(entered.wait(), 5.0)
+    await asyncio.wait_for(entered.wait(), AT_ONCE_S)
     queued_behind = await enqueue(nc, kv, priority=Priority.NORMAL)
     order = await batcher.next_order()
     assert order.job_id == queued_behind
@@ -690,14 +694,14 @@ async def test_broken_stream_returns_its_job_and_a_late_result_is_discarded(
     assert order1.attempt == 1
     await first.break_stream()
     # Back in the queue at once (no AckWait), with why.
-    queued = await wait_state(js, job_id, JobState.QUEUED, timeout_s=2.0)
+    queued = await wait_state(js, job_id, JobState.QUEUED, timeout_s=AT_ONCE_S)
     assert queued.last_error is not None
     assert queued.last_error.reason == "WORKER_LOST"
     assert queued.attempt == 1
 
     second = await batchers("b2")
     await second.grant(1)
-    order2 = await second.next_order(timeout_s=2.0)
+    order2 = await second.next_order(timeout_s=AT_ONCE_S)
     assert (order2.job_id, order2.attempt) == (job_id, 2)
     # Lost with its batcher once: every job in flight at a crash is, so it is batched as before.
     assert not order1.run_alone
@@ -732,13 +736,13 @@ async def test_a_job_lost_with_its_batcher_twice_runs_alone(
     for attempt, name in ((1, "b1"), (2, "b2")):
         batcher = await batchers(name)
         await batcher.grant(1)
-        order = await batcher.next_order(timeout_s=2.0)
+        order = await batcher.next_order(timeout_s=AT_ONCE_S)
         assert (order.job_id, order.attempt, order.run_alone) == (job_id, attempt, False)
         await batcher.break_stream()
-        await wait_state(js, job_id, JobState.QUEUED, timeout_s=2.0)
+        await wait_state(js, job_id, JobState.QUEUED, timeout_s=AT_ONCE_S)
     third = await batchers("b3")
     await third.grant(1)
-    order = await third.next_order(timeout_s=2.0)
+    order = await third.next_order(timeout_s=AT_ONCE_S)
     assert (order.attempt, order.run_alone) == (3, True)
     await third.answer(order)
     assert (await wait_state(js, job_id, JobState.SUCCEEDED)).attempt == 3
@@ -774,7 +778,7 @@ async def test_a_requeue_waits_out_a_failed_write_rather_than_spend_the_attempt(
     given_back = worker_service_pb2.WorkResult(job_id=order.job_id, attempt=order.attempt, dropped=True)
     await batcher._call.write(worker_service_pb2.ConnectRequest(result=given_back))
     await batcher.grant(1)
-    again = await batcher.next_order(timeout_s=5.0)
+    again = await batcher.next_order(timeout_s=AT_ONCE_S)
     assert (again.job_id, again.attempt, failures) == (job_id, 2, 1)  # refunded: a second attempt
     await batcher.answer(again)
     assert (await wait_state(js, job_id, JobState.SUCCEEDED)).max_attempts == 2
@@ -881,7 +885,7 @@ async def test_retriable_error_requeues_with_backoff_then_runs_again(
     queued = await wait_state(js, job_id, JobState.QUEUED)
     assert queued.last_error is not None
     assert queued.last_error.reason == "MODEL_ERROR"
-    order2 = await batcher.next_order(timeout_s=5.0)
+    order2 = await batcher.next_order(timeout_s=AT_ONCE_S)
     assert time.monotonic() - failed_at >= 0.45  # waited out the 1 s backoff (with equal jitter: 0.5-1 s)
     assert (order2.job_id, order2.attempt) == (job_id, 2)
     await batcher.fail(order2, error)  # the last attempt: no more retries
@@ -1006,7 +1010,7 @@ async def test_stop_returns_in_flight_jobs_to_the_queue(config: Config, js: JetS
     assert record.last_error is not None
     assert record.last_error.reason == "SCHEDULER_STOPPING"
     # Nak'ed, not left to AckWait: the next scheduler gets it at once.
-    redelivered = await pull_until(nc, config.nats.work_stream, "work-demo-normal", timeout_s=2.0)
+    redelivered = await pull_until(nc, config.nats.work_stream, "work-demo-normal", timeout_s=AT_ONCE_S)
     assert redelivered.metadata.num_delivered == 2
 
 
@@ -1117,7 +1121,7 @@ async def test_an_order_sent_before_a_refused_running_write_is_cancelled_and_its
     await batcher.grant(1)
     order = await batcher.next_order()
     assert order.job_id == stale
-    cancel = await asyncio.wait_for(batcher.cancels.get(), 5.0)
+    cancel = await asyncio.wait_for(batcher.cancels.get(), AT_ONCE_S)
     assert (cancel.job_id, cancel.attempt) == (stale, order.attempt)
     await batcher.answer(order)  # computed anyway (it had started): dropped
 
@@ -1170,11 +1174,11 @@ async def test_progress_reported_before_the_running_write_is_answered_is_relayed
     await batcher.grant(1)
     order = await batcher.next_order()
     assert order.job_id == job_id
-    await asyncio.wait_for(held.wait(), 5.0)  # the RUNNING write is still unanswered
+    await asyncio.wait_for(held.wait(), AT_ONCE_S)  # the RUNNING write is still unanswered
     await batcher.report(order, "before the write")
     await batcher.answer(order)
     release.set()
-    assert await asyncio.wait_for(relayed.get(), 5.0) == "before the write"
+    assert await asyncio.wait_for(relayed.get(), AT_ONCE_S) == "before the write"
 
     async def succeeded() -> bool:
         return (await read_record(js, job_id)).state == JobState.SUCCEEDED
@@ -1205,7 +1209,7 @@ async def test_a_stale_notice_is_not_taken_for_a_redelivered_replay(
     announced.put(key, queued.revision, encode_record(queued))  # the late notice: attempt 0, QUEUED
     error = error_pb2.ErrorStatus(code=14, reason="MODEL_ERROR", message="CUDA hiccup", retriable=True)
     await batcher.fail(first, error)
-    second = await batcher.next_order(timeout_s=5.0)
+    second = await batcher.next_order(timeout_s=AT_ONCE_S)
     assert (second.job_id, second.attempt) == (job_id, 2)
     await batcher.answer(second)
     done = await wait_state(js, job_id, JobState.SUCCEEDED)
@@ -1358,7 +1362,7 @@ async def test_a_dispatch_whose_running_write_nats_refused_is_one_warning_and_ru
         job_id = await enqueue(nc, kv)
         await batcher.grant(1)
         first = await batcher.next_order()
-        cancel = await asyncio.wait_for(batcher.cancels.get(), 5.0)
+        cancel = await asyncio.wait_for(batcher.cancels.get(), AT_ONCE_S)
         assert (cancel.job_id, cancel.attempt) == (job_id, first.attempt)  # its write failed: withdrawn
 
         async def failure_logged() -> bool:
@@ -1403,7 +1407,7 @@ async def test_a_timeout_whose_write_nats_refused_is_one_warning_and_the_job_com
         info.config.subjects = [f"elsewhere.{config.nats.jobs_bucket}.>"]  # writes: "no responders"
         await js.update_stream(info.config)
         with capture_logs() as logs:
-            cancel = await asyncio.wait_for(batcher.cancels.get(), 5.0)
+            cancel = await asyncio.wait_for(batcher.cancels.get(), AT_ONCE_S)
             assert (cancel.job_id, cancel.attempt) == (job_id, first.attempt)
 
             async def failure_logged() -> bool:
