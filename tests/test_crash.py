@@ -27,6 +27,7 @@ from asyncinfer.jobs import JobState
 from asyncinfer.nats.connection import connect
 from asyncinfer.v1 import job_service_pb2, job_service_pb2_grpc, tensor_pb2
 from tests.processes import Service, until
+from tests.waits import WAIT_S
 
 JOBS = 2000
 SUBMITTERS = 8
@@ -156,7 +157,7 @@ async def test_kill_batcher_scheduler_gateway_nothing_lost_nothing_twice(
     try:
         for name in ("gateway", "scheduler", "batcher"):
             await services[name].start()
-        await asyncio.wait_for(ready.wait(), 10)
+        await asyncio.wait_for(ready.wait(), WAIT_S)
         counter = [0]
         submitters = [
             asyncio.create_task(submit_all(ports["gateway"], submissions, counter)) for _ in range(SUBMITTERS)
@@ -169,7 +170,7 @@ async def test_kill_batcher_scheduler_gateway_nothing_lost_nothing_twice(
                 await asyncio.sleep(0.01)
 
         async def succeeded_since(t: float) -> float:
-            await until(lambda: history.succeeded_after(t) is not None, 30)
+            await until(lambda: history.succeeded_after(t) is not None, WAIT_S)
             return history.succeeded_after(t) or 0.0
 
         def running() -> int:
@@ -196,7 +197,7 @@ async def test_kill_batcher_scheduler_gateway_nothing_lost_nothing_twice(
         stranded = [k for k, states in history.states.items() if states[-1] == JobState.RUNNING]
 
         async def stranded_done(killed: float) -> None:
-            await until(lambda: all(history.terminal(key) for key in stranded), 30)
+            await until(lambda: all(history.terminal(key) for key in stranded), WAIT_S)
             figures["scheduler_leases_back_s"] = time.monotonic() - killed
 
         leases_back = asyncio.create_task(stranded_done(killed))
@@ -207,13 +208,13 @@ async def test_kill_batcher_scheduler_gateway_nothing_lost_nothing_twice(
         assert counter[0] < JOBS, "submission ended before the gateway kill: slow it down"
         services["gateway"].kill()
         await services["gateway"].start()
-        await until(lambda: bool(submissions.accepted_at) and submissions.accepted_at[-1] > killed, 30)
+        await until(lambda: bool(submissions.accepted_at) and submissions.accepted_at[-1] > killed, WAIT_S)
         figures["gateway_recovery_s"] = submissions.accepted_at[-1] - killed
 
         await asyncio.wait_for(asyncio.gather(*submitters), 60)
 
         await until(lambda: all(history.terminal(key) for key in submissions.accepted.values()), 60)
-        await asyncio.wait_for(leases_back, 10)
+        await asyncio.wait_for(leases_back, WAIT_S)
         figures["total_s"] = time.monotonic() - began
     finally:
         last = Counter(states[-1].value for states in history.states.values())

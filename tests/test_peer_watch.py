@@ -32,6 +32,7 @@ from services.scheduler.peer_watch import PeerWatch
 from tests.kv_helpers import JobWrites
 from tests.processes import Service, until
 from tests.test_crash import crash_config
+from tests.waits import WAIT_S
 
 JOBS = 300
 # Far above the survivor's sweep (~8 s after the kill): only its naks can run the jobs again in time.
@@ -164,7 +165,7 @@ async def test_a_live_scheduler_returns_the_jobs_of_a_killed_peer_in_seconds(
         x.contents.fp32_contents.extend([1, 2, 3, 4])
         request = job_service_pb2.SubmitJobRequest(model_name="demo", inputs=[x])
         jobs = [(await stub.SubmitJob(request, timeout=10)).job.job_id for _ in range(JOBS)]
-        await until(lambda: len(held_by_b()) >= 8, 30)
+        await until(lambda: len(held_by_b()) >= 8, WAIT_S)
         killed = time.monotonic()
         services["scheduler-b"].kill()  # its node lost: the scheduler and its batcher, not replaced
         services["batcher-b"].kill()
@@ -220,9 +221,9 @@ async def test_a_heartbeat_ended_in_order_leaves_nothing_in_the_bucket(
             await instance.beat()
             # Heard before the stop: the bucket keeps one message per key, so a beat the delete
             # replaced before the watch's consumer reached it is never delivered (CI under load).
-            await asyncio.wait_for(beat_heard.wait(), 5)
+            await asyncio.wait_for(beat_heard.wait(), WAIT_S)
             await instance.end()
-            await asyncio.wait_for(ended.wait(), 5)  # watchers hear of the stop
+            await asyncio.wait_for(ended.wait(), WAIT_S)  # watchers hear of the stop
         finally:
             await watch.stop()
         assert [change.removed for change in heard] == [False, True]
