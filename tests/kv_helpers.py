@@ -16,6 +16,7 @@ from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord, JobState
 from asyncinfer.nats import Client, JetStreamContext
 from asyncinfer.nats.kv import open_kv_bucket
+from tests.waits import WAIT_S
 
 
 async def kv_keys(js: JetStreamContext, bucket: str) -> list[str]:
@@ -47,7 +48,7 @@ class JobWrites:
     async def start(self) -> None:
         watching = asyncio.Event()
         self._task = asyncio.create_task(self._watch(watching))
-        await asyncio.wait_for(watching.wait(), 10)
+        await asyncio.wait_for(watching.wait(), WAIT_S)
 
     async def _watch(self, watching: asyncio.Event) -> None:
         kv = await self.nc.jetstream().key_value(self.bucket)

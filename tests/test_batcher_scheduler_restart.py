@@ -28,8 +28,9 @@ from services.scheduler.app import SchedulerApp
 from tests.hanging_models import HANG_VALUE, RELEASE
 from tests.processes import Service
 from tests.stack import Stack, StartStack
+from tests.waits import WAIT_S
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
 
 MODEL = "hang"
 PLACES = 4
@@ -47,7 +48,7 @@ HANGING_MODEL = DEMO_MODEL.model_copy(
 Writes = list[tuple[JobState, int]]
 
 
-async def until(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, what
@@ -156,7 +157,7 @@ async def test_a_batch_computing_while_the_scheduler_is_killed_and_restarted_end
         # Two runs, two attempts spent (the first lost with its scheduler: not given back).
         assert writes[-1] == (JobState.SUCCEEDED, 2), writes
         assert max(attempt for _, attempt in writes) == 2
-        deadline = time.monotonic() + 20.0
+        deadline = time.monotonic() + WAIT_S
         while True:  # the scheduler's snapshots come every 0.2 s
             stats[:] = (await ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name=MODEL))).models
             if stats and stats[0].free_credits == PLACES and stats[0].in_flight == 0:

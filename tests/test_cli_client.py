@@ -29,6 +29,7 @@ from asyncinfer.ids import new_job_id
 from services.batcher.models import demo
 from tests.stack import Stack, StartStack
 from tests.test_batch_lifecycle import GATED, gate
+from tests.waits import WAIT_S
 
 __all__ = ["gate"]  # the fixture, used by name
 
@@ -349,13 +350,13 @@ async def test_watch_json_prints_each_state_until_succeeded(
         stderr=asyncio.subprocess.PIPE,
     )
     assert watcher.stdout is not None
-    first = json.loads(await asyncio.wait_for(watcher.stdout.readline(), 20))
+    first = json.loads(await asyncio.wait_for(watcher.stdout.readline(), WAIT_S))
     assert first["state"] == "QUEUED"  # no batcher yet: it waits
     await idle_stack.start_batcher()
-    running = json.loads(await asyncio.wait_for(watcher.stdout.readline(), 20))
+    running = json.loads(await asyncio.wait_for(watcher.stdout.readline(), WAIT_S))
     assert running["state"] == "RUNNING"  # held at the gate until now
     demo.GATE.set()
-    rest, stderr = await asyncio.wait_for(watcher.communicate(), 20)
+    rest, stderr = await asyncio.wait_for(watcher.communicate(), WAIT_S)
     assert watcher.returncode == 0, stderr.decode()
     updates = [first, running, *json_lines(rest.decode())]
     states = [u["state"] for u in updates]

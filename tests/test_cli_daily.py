@@ -32,6 +32,7 @@ from services import cli as services_cli
 from services.batcher.models.demo import FAILING_MODEL_MESSAGE
 from services.dev_ca import ensure_dev_tls
 from tests.stack import StartStack
+from tests.waits import WAIT_S
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -499,7 +500,7 @@ def waiting_on_a_terminal(argv: list[str], asks: bytes | None) -> tuple[int, str
         else:
             select.select([leader], [], [], 1.5)
         os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C
-        code = process.wait(timeout=10)
+        code = process.wait(timeout=WAIT_S)
     finally:
         process.kill()
         process.wait()

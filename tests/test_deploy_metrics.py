@@ -30,6 +30,7 @@ from asyncinfer.nats import Client as NatsClient
 from services.scheduler.app import SchedulerApp
 from tests.stack import StartStack
 from tests.test_metrics_scrape import Samples, free_port, scrape
+from tests.waits import WAIT_S
 from tests.webhook_receiver import Receiver, receiver, webhook_config
 
 __all__ = ["receiver"]  # the fixture, used by name
@@ -243,7 +244,7 @@ async def test_queue_gauges_every_scheduler_reports_are_never_summed_over_schedu
             for _ in range(2):
                 await client.submit("demo", {"x": [[1, 2, 3, 4]]})
         depth = ("asyncinfer_queue_depth", frozenset({("model", "demo"), ("priority", "NORMAL")}))
-        deadline = asyncio.get_running_loop().time() + 10
+        deadline = asyncio.get_running_loop().time() + WAIT_S
         while (seen := [(await scrape(port)).get(depth) for port in ports]) != [2, 2]:
             assert asyncio.get_running_loop().time() < deadline, seen
             await asyncio.sleep(0.05)  # each scheduler's next queue snapshot (queue_stats_interval_s)

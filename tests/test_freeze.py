@@ -27,11 +27,12 @@ from asyncinfer.jobs import JobState
 from asyncinfer.nats.connection import connect
 from tests.hanging_models import SLOW_VALUE
 from tests.test_up_grpcurl import close, start_up
+from tests.waits import WAIT_S
 from tests.webhook_receiver import Receiver, receiver, webhook_config
 
 __all__ = ["receiver"]  # the fixture, used by name
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 FREEZE_S = 6.0
 ACK_WAIT_S = 2.0
@@ -122,7 +123,7 @@ async def test_up_frozen_past_its_leases_and_deadlines_carries_on_by_itself(
                 def running(key: str) -> bool:
                     return key in history and history[key][-1] is JobState.RUNNING
 
-                async with asyncio.timeout(20), changed:
+                async with asyncio.timeout(WAIT_S), changed:
                     await changed.wait_for(lambda: running(f"default.{slow.job_id}"))
                 # Queued behind it (it computes for 1.5 s), their deadline passing in the freeze.
                 short = [await client.submit("one", x, queue_ttl_s=QUEUE_TTL_S) for _ in range(SHORT_LIVED)]
@@ -143,7 +144,7 @@ async def test_up_frozen_past_its_leases_and_deadlines_carries_on_by_itself(
                 def ended() -> bool:
                     return all(key in history and history[key][-1].is_terminal for key in keys)
 
-                async with asyncio.timeout(30):
+                async with asyncio.timeout(WAIT_S):
                     async with changed:
                         await changed.wait_for(ended)
                     await asyncio.gather(*watching)

@@ -29,6 +29,7 @@ from asyncinfer.v1 import job_pb2
 from asyncinfer.webhook_secrets import new_secret
 from tests.stack import StartStack
 from tests.test_webhooks import all_final, submit, until
+from tests.waits import WAIT_S
 from tests.webhook_receiver import SECRET, Receiver, receiver, webhook_config
 
 __all__ = ["receiver"]  # the fixture, used by name
@@ -271,7 +272,7 @@ async def test_the_readmes_receiver_prints_a_real_delivery_and_refuses_forged_an
         assert await asyncio.to_thread(post, url, replayed, BODY) == 400
     finally:
         process.terminate()
-        out, err = await asyncio.wait_for(process.communicate(), 15)
+        out, err = await asyncio.wait_for(process.communicate(), WAIT_S)
     printed = out.decode().splitlines()
     assert len(printed) == 3, (out, err)
     assert f"'job_id': '{job_id}'" in printed[0], printed
