@@ -47,6 +47,9 @@ from tests.test_cli_daily import AS_A_TERMINALS_FOREGROUND_JOB
 from tests.test_client_typing import _count_list_models as count_list_models
 from tests.webhook_receiver import webhook_config
 
+# Its tests start the CLI as processes, several each (an interpreter start apiece): 19-38 s on a
+# loaded machine, against the default 120 s.
+pytestmark = pytest.mark.timeout(300)
 CLI = [sys.executable, "-m", "asyncinfer"]
 
 
