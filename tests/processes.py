@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tests.waits import START_S
+
 BIN = Path(sys.executable).parent
 
 
@@ -40,7 +42,7 @@ class Service:
     async def start(self) -> None:
         process = await asyncio.to_thread(self._spawn)
         assert process.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), 60)
+        line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), START_S)
         if f"serving on 127.0.0.1:{self.port}" not in line:
             # It printed something else, or exited (stdout closed): its log (stderr) says why.
             code = await asyncio.to_thread(self._exit_code)

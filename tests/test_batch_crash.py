@@ -22,7 +22,7 @@ from tests.batch_helpers import TERMINAL, batches_stub, create_request, jsonl, o
 from tests.processes import Service
 
 RECORDS = 960
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
 
 def crash_config(

@@ -34,7 +34,7 @@ SUBMITTERS = 8
 ACK_WAIT_S = 3.0
 # About 100 submissions/s in all: 2,000 take ~20 s, long enough for three kills and restarts.
 SUBMIT_PAUSE_S = 0.07
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300), pytest.mark.nats_fallback]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400), pytest.mark.nats_fallback]
 
 
 @dataclass

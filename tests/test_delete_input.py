@@ -244,7 +244,7 @@ async def test_a_sweep_whose_listing_of_metas_stalls_purges_no_chunks(
         assert len(cursor.metas) == 3
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 async def test_a_crashed_uploads_chunks_past_the_servers_100000_subjects_an_answer_are_purged(
     config: Config, nc: NatsClient
 ) -> None:

@@ -46,6 +46,7 @@ from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
 from services.scheduler.queue_stats import desired_batchers
 from services.scheduler.store_usage import ServerUsage, read_server_usage
 from tests.stack import Stack, StartStack
+from tests.waits import START_S
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -1266,7 +1267,7 @@ async def test_the_compose_services_run_together_on_tls_as_processes(tmp_path: P
                     )
                 started.append(process)
                 assert process.stdout is not None
-                async with asyncio.timeout(90):
+                async with asyncio.timeout(START_S):
                     printed = (await process.stdout.readline()).decode()
                 assert printed.startswith(f"asyncinfer {name} serving on 127.0.0.1:{ports[name]}"), (
                     printed + (tmp_path / f"{name}.stderr").read_text()

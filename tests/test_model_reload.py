@@ -23,6 +23,7 @@ from asyncinfer.v1 import job_service_pb2
 from tests.stack import StartStack
 from tests.test_model_hot_updates import listed_versions, until
 from tests.test_model_versions import EXPECTED, X, demo, with_models
+from tests.waits import START_S
 
 ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 60.0
@@ -74,7 +75,7 @@ async def test_sighup_reloads_the_models_the_file_declares(
     process = await asyncio.to_thread(spawn_batcher, file, tmp_path / "batcher.log")
     batcher_process.append(process)
     assert process.stdout is not None
-    line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), WAIT_S)
+    line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), START_S)
     assert "serving on" in line, (tmp_path / "batcher.log").read_text()[-3000:]
 
     async def serves(*versions: str) -> bool:

@@ -121,7 +121,7 @@ def test_a_peer_that_stopped_in_order_is_not_swept_and_the_smallest_run_sweeps()
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 async def test_a_live_scheduler_returns_the_jobs_of_a_killed_peer_in_seconds(
     nats_server: NatsServerProcess, tmp_path: Path
 ) -> None:

@@ -31,7 +31,7 @@ from services.scheduler import blobs as scheduler_blobs
 from services.scheduler.app import SchedulerApp
 from services.scheduler.pauses import PauseState
 from services.scheduler.store_usage import StoreUsage, StoreUsageReader
-from tests.waits import WAIT_S
+from tests.waits import START_S, WAIT_S
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -578,7 +578,7 @@ async def test_the_scheduler_command_exits_with_exit_loop_died_when_a_loop_dies(
         sys.executable, "-c", BROKEN_SCHEDULER, cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE
     )
     assert process.stdout is not None
-    serving = await asyncio.wait_for(process.stdout.readline(), WAIT_S)
+    serving = await asyncio.wait_for(process.stdout.readline(), START_S)
     assert b"asyncinfer scheduler serving on" in serving
     kv = await nc.jetstream().key_value(config.nats.queues_bucket)
     await kv.put(paused_key("demo"), b'{"by": "test"}')

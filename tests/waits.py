@@ -9,3 +9,6 @@ configured TTL) is the test's own value, not this one."""
 from __future__ import annotations
 
 WAIT_S = 60.0
+# A service process's start, to its "serving on" line: an interpreter and its imports (torch, for
+# a batcher), seconds on a quiet machine; a start ran past 60 s at load 10 on 2 cores.
+START_S = 180.0
