@@ -1,7 +1,8 @@
-"""The bound on a test's wait for work that crosses processes or service rounds (a record written,
-a delivery made, a service started): there to end a hung test, never to claim a speed. CI runs the
-integration tests three at a time, on machines that other work may load (5-8 times slower than
-quiet): a bound near the work's normal duration failed tests while nothing was wrong.
+"""The bound on a test's wait for work that crosses processes or service rounds (a record
+written, a delivery made; a service's start has START_S): there to end a hung test, never to claim
+a speed. CI runs the integration tests three at a time, on machines that other work may load (5-8
+times slower than quiet): a bound near the work's normal duration failed tests while nothing was
+wrong.
 
 A bound that is itself the behaviour under test (a client's own timeout_s, a sweep within a
 configured TTL) is the test's own value, not this one."""
