@@ -18,17 +18,16 @@ from __future__ import annotations
 import hmac
 import ipaddress
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import grpc
-import structlog
 
 from asyncinfer.api_keys import hash_key
-from asyncinfer.config import ApiKeyConfig
 from asyncinfer.errors import ConfigError, PermissionDenied, Unauthenticated
 from asyncinfer.grpc_handlers import rewrap
 
-log = structlog.get_logger("asyncinfer.access")
+if TYPE_CHECKING:  # the client commands import this module (bearer_metadata): not the configuration's classes
+    from asyncinfer.config import ApiKeyConfig
 
 Role = Literal["tenant", "ops", "batcher"]
 BEARER = "bearer "
@@ -62,7 +61,9 @@ def require_keys_beyond_loopback(
             f"role; `asyncinfer hash-key KEY`) or set {section}.host to 127.0.0.1."
         )
     if not tls:
-        log.warning(
+        import structlog  # here: the client commands import this module, and structlog brings rich
+
+        structlog.get_logger("asyncinfer.access").warning(
             "api_keys_in_cleartext",
             host=host,
             hint=f"callers' API keys reach this {section} unencrypted unless TLS ends in front of it; "

@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-import structlog
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc import aio
@@ -32,7 +31,6 @@ from asyncinfer.errors import AsyncInferError, InvalidArgument, ResourceExhauste
 from asyncinfer.grpc_handlers import rewrap
 
 ERROR_DOMAIN = "asyncinfer.dev"
-log = structlog.get_logger("asyncinfer.grpc")
 
 
 def to_status(error: AsyncInferError) -> grpc.Status:

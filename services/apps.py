@@ -7,9 +7,11 @@ import asyncio
 import importlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from asyncinfer.config import Config
-from asyncinfer.runner import App
+if TYPE_CHECKING:  # services.cli lists SERVICES for every command: the client ones need neither (pydantic, structlog)
+    from asyncinfer.config import Config
+    from asyncinfer.runner import App
 
 
 def make_gateway(config: Config) -> App:

@@ -24,35 +24,38 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import faulthandler
 import os
+import signal
 import sys
 import textwrap
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
-from typing import Any
-
-import structlog
+from typing import TYPE_CHECKING, Any
 
 import asyncinfer.grpc_logging  # noqa: F401  (before grpc is imported: see the module)
 from asyncinfer import cli as client_cli
 from asyncinfer import commands as client_commands
-from asyncinfer.config import Config, load_config
+from asyncinfer.commands.output import EXIT_INTERRUPTED
 from asyncinfer.errors import AsyncInferError, Unavailable
-from asyncinfer.gc_tuning import collect_before_serving, tune_for_serving
-from asyncinfer.logs import QuietStop, configure_logging
-from asyncinfer.malloc_tuning import keep_large_buffers
-from asyncinfer.runner import EXIT_UNAVAILABLE, App, run_until_stopped
-from services.apps import SERVICES, import_app_module, make_batcher
+from services.apps import SERVICES
 from services.server_extras import missing_for
-from services.up.ports import raise_if_busy, service_host, service_ports
-from services.up.stack import SHUTDOWN_GRACE_S, run_up
+
+# What only the server commands use is imported when one runs: the configuration's classes
+# (pydantic) and structlog (which brings rich and pygments) were half of a client command's start.
+if TYPE_CHECKING:
+    from asyncinfer.config import Config
+    from asyncinfer.runner import App
 
 
 def _starter(name: str, make: Callable[[], App]) -> Callable[[], Awaitable[App]]:
     async def start() -> App:
+        from asyncinfer.gc_tuning import collect_before_serving
+        from services.apps import import_app_module
+
         await import_app_module(name)
         app = make()
         collect_before_serving()  # nothing served yet: the whole heap's walk stalls no call
@@ -63,6 +66,12 @@ def _starter(name: str, make: Callable[[], App]) -> Callable[[], Awaitable[App]]
 
 
 async def run_service(name: str, config: Config, config_path: Path | None = None) -> int:
+    from asyncinfer.gc_tuning import tune_for_serving
+    from asyncinfer.runner import run_until_stopped
+    from services.apps import make_batcher
+    from services.up.ports import raise_if_busy, service_host, service_ports
+    from services.up.stack import SHUTDOWN_GRACE_S
+
     raise_if_busy(service_ports(config, name), hint="Is this service running already?")
 
     def make() -> App:
@@ -82,6 +91,8 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
     takes 10-15% off it (measured on the batcher benchmark). malloc keeps large buffers for reuse
     (asyncinfer.malloc_tuning: page faults were a third of the scheduler's CPU on a file batch)."""
     import uvloop  # the server extra's: the base install runs the client commands without it
+
+    from asyncinfer.malloc_tuning import keep_large_buffers
 
     keep_large_buffers()
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -108,6 +119,8 @@ def exit_past_stuck_threads(code: int) -> int:
     ]
     if not stuck:
         return code
+    import structlog
+
     structlog.get_logger("asyncinfer.cli").warning(
         "exiting_without_threads", threads=stuck, why="a model call that never returned (its batch was abandoned)"
     )
@@ -197,6 +210,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _ctrl_c_ends_while_loading() -> Iterator[None]:
+    """While a server command imports its modules, a Ctrl-C ends the process with 130, as while
+    services.entry imports this module (which imported them until session 39): pydantic wraps a
+    KeyboardInterrupt raised as it builds the configuration's classes in a RuntimeError."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) != (
+        signal.default_int_handler
+    ):
+        yield
+        return
+    signal.signal(signal.SIGINT, lambda _signum, _frame: os._exit(EXIT_INTERRUPTED))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     return client_cli.exit_quietly_on_broken_pipe(lambda: _main(argv))
 
@@ -212,6 +242,14 @@ def _main(argv: Sequence[str] | None = None) -> int:
     # A model that crashes the process (a segfault in a native extension) leaves every thread's
     # stack on stderr, naming the model's frame; it left nothing.
     faulthandler.enable()
+    with _ctrl_c_ends_while_loading():
+        import structlog
+
+        from asyncinfer.config import load_config
+        from asyncinfer.logs import QuietStop, configure_logging
+        from asyncinfer.runner import EXIT_UNAVAILABLE
+        from services.up.stack import run_up
+
     logging = False
     try:
         config = load_config(args.config)

@@ -398,7 +398,7 @@ async def test_ctrl_c_while_the_command_loads_or_runs_is_a_quiet_130(tmp_path: P
     of 30-50 lines and could exit 1, which the README gives to a job that did not succeed. Signalled
     at two moments each run shows (not at delays: on a busy machine 0.5 s after the start was still
     Python's own start-up, whose KeyboardInterrupt is Python's to report): as the command loads
-    (services.cli's imports, pydantic's among the first), and once its own handling runs (it says it
+    (services.cli's imports, grpc's among them), and once its own handling runs (it says it
     tries the gateway again)."""
     for moment in ("loading", "running"):
         process = await asyncio.create_subprocess_exec(
@@ -431,6 +431,39 @@ def test_the_entry_point_imports_nothing_before_it_takes_ctrl_c() -> None:
     assert done.stdout.strip() == "['services', 'services.entry']", done.stdout
 
 
+# What only the server commands (up, gateway, scheduler, batcher, console) need: a client command
+# loaded them all, half its start (session 39: 0.98 s of CPU before, 0.59 s after).
+SERVER_ONLY_MODULES = (
+    "pydantic",
+    "asyncinfer.config",
+    "asyncinfer.config.gateway_sections",
+    "structlog",
+    "rich",
+    "pygments",
+    "asyncinfer.runner",
+    "asyncinfer.logs",
+    "services.up.stack",
+)
+
+
+@pytest.mark.parametrize("argv", [["list", "--help"], ["get", "--help"], ["--version"], ["hash-key", "k"]])
+def test_a_client_command_loads_none_of_the_servers_modules(argv: list[str]) -> None:
+    """Session 39: `asyncinfer list --help` took ~1 s of CPU, most of it building the configuration's
+    pydantic classes and importing structlog (which imports rich and pygments) that only the server
+    commands use. The installed command's module, run in a fresh interpreter, leaves them unloaded."""
+    probe = (
+        "import contextlib, io, sys\n"
+        "import services.cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        f"    services.cli.main({argv!r})\n"
+        f"print(sorted(m for m in {SERVER_ONLY_MODULES!r} if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout
+
+
 @pytest.mark.unit
 def test_a_ctrl_c_between_the_entrys_handler_and_the_commands_is_a_quiet_130(monkeypatch: pytest.MonkeyPatch) -> None:
     """Once services.cli is loaded the entry point gives SIGINT back to Python; a Ctrl-C before the
@@ -456,15 +489,16 @@ def test_a_ctrl_c_between_the_entrys_handler_and_the_commands_is_a_quiet_130(mon
 def test_a_ctrl_c_while_the_parser_is_built_is_a_quiet_130(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Building the parser reads the package's metadata (its --version): a Ctrl-C there, before the
-    command's own handling, printed a traceback (CI, session 29)."""
+    """Building the parser read the package's metadata (its --version): a Ctrl-C there, before the
+    command's own handling, printed a traceback (CI, session 29). Since session 39 only --version
+    reads it (asyncinfer.cli.VersionAction), as the parser parses: a Ctrl-C there is as quiet."""
 
     def interrupted(_name: str) -> str:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(metadata, "version", interrupted)
     try:
-        code = services_cli.main(["models", "--gateway", "127.0.0.1:1"])
+        code = services_cli.main(["--version"])
     except KeyboardInterrupt:  # a failure of this test, not the end of the session
         code = None
     assert code == 130
@@ -472,11 +506,12 @@ def test_a_ctrl_c_while_the_parser_is_built_is_a_quiet_130(
 
 
 async def until_loading(pid: int) -> None:
-    """Returns once the process has mapped pydantic's compiled core: services.cli is being imported,
-    after services.entry set its handler of SIGINT (it imports nothing beyond the standard library)."""
+    """Returns once the process has mapped grpc's compiled core: services.cli is being imported,
+    after services.entry set its handler of SIGINT (it imports nothing beyond the standard library).
+    (pydantic's, until session 39: a client command no longer imports it.)"""
     maps = Path(f"/proc/{pid}/maps")
     give_up_at = time.monotonic() + 30
-    while "pydantic_core" not in await asyncio.to_thread(maps.read_text):
+    while "cygrpc" not in await asyncio.to_thread(maps.read_text):
         assert time.monotonic() < give_up_at, "the command did not start loading in 30 s"
         await asyncio.sleep(0.005)
 

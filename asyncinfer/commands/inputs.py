@@ -42,7 +42,6 @@ from asyncinfer.client import (
     UnimplementedError,
 )
 from asyncinfer.commands.output import UsageError
-from asyncinfer.config import load_config
 from asyncinfer.errors import AsyncInferError
 from asyncinfer.tensors import (
     NUMPY_DTYPES,
@@ -112,6 +111,9 @@ class Signatures:
 
     @classmethod
     def load(cls, config_path: Path | None) -> Signatures:
+        # Here: the configuration's classes are a quarter of the client commands' start (pydantic).
+        from asyncinfer.config import load_config
+
         try:
             config = load_config(config_path)
         except AsyncInferError as exc:
