@@ -733,11 +733,18 @@ async def test_a_paused_queue_places_each_job_of_a_burst(
     # Interpolated between the oldest and the newest by the time each was queued: exact at both
     # ends, in order, and within two of where its time falls. Not of its index: a busy machine
     # spaces a burst's jobs unevenly (within one of the index failed now and then in session 26,
-    # within two in session 32's CI2, [0, 2, 5, 5, 6, 6, ...]). The create times are the gateway's,
-    # the interpolation's nats-server's stamps: a publish's round trip apart.
+    # within two in session 32's CI2, [0, 2, 5, 5, 6, 6, ...]). The time is nats-server's stamp on
+    # each work message (what GetJobs reads), not the gateway's create time: a publish that stalled
+    # 250 ms put a job's stamp beside the next one's while its create time stayed with the ones
+    # before (session 39's CI: [0, 0, 0, 0, 6, 7, ...] against create times' [0, 0, 0, 0, 0, 7, ...]).
     assert (positions[0], positions[-1]) == (0, len(jobs) - 1), positions
     assert positions == sorted(positions), positions
-    times = [job.create_time.ToNanoseconds() / 1e9 for job in jobs]
+    store = JobStore(
+        await open_kv_bucket(stack.nc.jetstream(), config.nats.jobs_bucket), work_stream=config.nats.work_stream
+    )
+    stamps = [record.work_message_time for j in jobs if (record := await store.get(job_key(TENANT, j.job_id)))]
+    times = [stamp for stamp in stamps if stamp is not None]
+    assert len(times) == len(jobs), stamps
     span = times[-1] - times[0]
     where = [round((t - times[0]) / span * (len(jobs) - 1)) if span > 0 else 0 for t in times]
     assert all(abs(p - w) <= 2 for p, w in zip(positions, where, strict=True)), (positions, where)
