@@ -24,8 +24,10 @@ from asyncinfer.logs import TRACEBACKS
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.connection import connect
 from services.batcher.app import BatcherApp
+from tests.certs import TestCA
 from tests.file_order import longest_first
 from tests.stack import Stack, StartStack, run_every
+from tests.tls_helpers import tls_nats_server
 
 # The services in a test process log through structlog's default configuration, whose console
 # renderer draws a traceback with every frame's locals (Rich's): ~0.25-1.5 s of CPU each on the event
@@ -186,3 +188,16 @@ async def batchers(start_stack: StartStack) -> AsyncIterator[Callable[..., Any]]
     yield start
     for app in reversed(started):
         await app.stop(1.0)
+
+
+@pytest.fixture
+def ca(tmp_path: Path) -> TestCA:
+    """A test certificate authority of the test's own (tests/certs.py)."""
+    return TestCA(tmp_path / "pki")
+
+
+@pytest.fixture
+def verifying_nats(tmp_path: Path, ca: TestCA) -> Iterator[NatsServerProcess]:
+    """A nats-server on TLS that verifies client certificates against `ca`."""
+    with tls_nats_server(tmp_path, ca) as server:
+        yield server

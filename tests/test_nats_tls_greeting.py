@@ -16,7 +16,6 @@ import asyncio
 import json
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,23 +26,10 @@ from asyncinfer.embedded_nats import NatsServerProcess, free_port
 from asyncinfer.errors import ConfigError
 from asyncinfer.nats.connection import connect
 from tests.certs import TestCA
-from tests.tls_helpers import tls_nats_server
 
 # Each case below ends at its first attempt (~0.05 s); the wait it must not wait is 120 s.
 ENDS_WITHIN_S = 15.0
 WAIT_S = 120.0
-
-
-@pytest.fixture
-def ca(tmp_path: Path) -> TestCA:
-    return TestCA(tmp_path / "pki")
-
-
-@pytest.fixture
-def verifying_nats(tmp_path: Path, ca: TestCA) -> Iterator[NatsServerProcess]:
-    """A nats-server on TLS that verifies client certificates against `ca`."""
-    with tls_nats_server(tmp_path, ca) as server:
-        yield server
 
 
 async def test_a_client_without_a_certificate_is_told_to_set_one_at_once_not_after_the_wait(

@@ -17,7 +17,6 @@ import os
 import socket
 import struct
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,18 +39,6 @@ REFUSED_AFTER_THE_HANDSHAKE = (
     "certificates (nats-server tls { verify: true }): it refuses this one, nats.tls_cert_file (with "
     "nats.tls_key_file)"
 )
-
-
-@pytest.fixture
-def ca(tmp_path: Path) -> TestCA:
-    return TestCA(tmp_path / "pki")
-
-
-@pytest.fixture
-def verifying_nats(tmp_path: Path, ca: TestCA) -> Iterator[NatsServerProcess]:
-    """A nats-server on TLS that verifies client certificates against `ca`."""
-    with tls_nats_server(tmp_path, ca) as server:
-        yield server
 
 
 class AlertLosingRelay:

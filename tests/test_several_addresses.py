@@ -25,11 +25,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def ca(tmp_path: Path) -> TestCA:
-    return TestCA(tmp_path / "pki")
-
-
-@pytest.fixture
 def tls_port(ca: TestCA) -> Iterator[int]:
     """A TLS gRPC server (health only) on 127.0.0.1 alone, its certificate signed by `ca`."""
     with tls_health_server(ca, "gateway") as port:

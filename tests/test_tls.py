@@ -45,11 +45,6 @@ GIVEN_UP_WITHIN_S = 30.0
 
 
 @pytest.fixture
-def ca(tmp_path: Path) -> TestCA:
-    return TestCA(tmp_path / "pki")
-
-
-@pytest.fixture
 def tls_nats(tmp_path: Path, ca: TestCA) -> Iterator[NatsServerProcess]:
     """A nats-server that requires TLS, verifies client certificates against the CA, and a password."""
     with tls_nats_server(

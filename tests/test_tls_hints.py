@@ -34,11 +34,6 @@ ONE_TRY = RetryPolicy(max_attempts=1)
 
 
 @pytest.fixture
-def ca(tmp_path: Path) -> TestCA:
-    return TestCA(tmp_path / "pki")
-
-
-@pytest.fixture
 def mutual_tls_port(ca: TestCA) -> Iterator[int]:
     """A gRPC server (health only) on 127.0.0.1 that requires a client certificate signed by `ca`."""
     with tls_health_server(ca, "server", require_client_auth=True) as port:

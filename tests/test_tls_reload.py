@@ -51,11 +51,6 @@ tls_nats = test_tls.tls_nats  # the fixture: a nats-server requiring TLS, client
 EXPIRY_GAUGE = "asyncinfer_tls_certificate_expiry_timestamp_seconds"
 
 
-@pytest.fixture
-def ca(tmp_path: Path) -> TestCA:
-    return TestCA(tmp_path / "pki")
-
-
 def serial(cert_file: str) -> int:
     return int(x509.load_pem_x509_certificate(Path(cert_file).read_bytes()).serial_number)
 
